@@ -1,0 +1,51 @@
+"""`vocab_map`: the draft vocabulary (`d2t`, `t2d`) from the loss-masked tokens of all shards."""
+
+import polars as pl
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from transformers import AutoConfig
+
+from ..core.target import resolve_target
+from ..core.vocab import build_vocab_map, count_tokens, coverage, save_vocab_map
+from ..resources import layout, shards
+from ..settings import Settings
+
+CODE_VERSION = "1"
+SETTINGS_USED = ("target_model", "vocab.draft_vocab_size")
+
+
+def build(settings: Settings):
+    paths = layout(settings)
+
+    @asset(
+        name="vocab_map",
+        deps=["generations"],
+        code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
+        description="Draft vocabulary: d2t (draft -> target offsets) and t2d (bool over the target vocab).",
+    )
+    def vocab_map(context: AssetExecutionContext) -> MaterializeResult:
+        keys = context.instance.get_dynamic_partitions(shards.name)
+        missing = [k for k in keys if not paths.generations(k).is_file()]
+        if not keys or missing:
+            raise FileNotFoundError(f"vocab_map needs every shard's generations; missing: {missing or 'all (no shards)'}")
+        vocab_size = AutoConfig.from_pretrained(resolve_target(settings.target_model, settings.model_cache_dir)).vocab_size
+        samples = (
+            (row["input_ids"], row["loss_mask"])
+            for k in keys
+            for row in pl.read_parquet(paths.generations(k), columns=["input_ids", "loss_mask"]).iter_rows(named=True)
+        )
+        counts = count_tokens(samples, vocab_size)
+        d2t, t2d = build_vocab_map(counts, settings.vocab.draft_vocab_size)
+        save_vocab_map(paths.vocab_map, d2t, t2d, {"target_model": settings.target_model, "shards": ",".join(keys)})
+        return MaterializeResult(
+            metadata={
+                "draft_vocab_size": int(d2t.numel()),
+                "target_vocab_size": vocab_size,
+                "token_coverage": round(coverage(counts, t2d), 6),
+                "training_tokens": int(counts.sum()),
+                "distinct_tokens": int((counts > 0).sum()),
+                "shards": len(keys),
+                "path": MetadataValue.path(str(paths.vocab_map)),
+            }
+        )
+
+    return vocab_map

@@ -1,0 +1,204 @@
+"""`eagle3`: run the whole graph, open the UI, read the history — on one shared instance.
+
+Every command finds the project root (the folder with dagster.yaml and
+workspace.yaml, from the current directory upward) and uses it as DAGSTER_HOME,
+so `eagle3 run`, `eagle3 ui` and `eagle3 history` see the same runs without the
+user exporting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def find_root(start: Path | None = None) -> Path:
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "dagster.yaml").is_file() and (d / "workspace.yaml").is_file():
+            return d
+    sys.exit(f"eagle3: no project root (a folder with dagster.yaml and workspace.yaml) at or above {here}")
+
+
+def _enter(args) -> Path:
+    root = find_root()
+    os.chdir(root)  # dagster.yaml's storage paths are relative to the root
+    os.environ.setdefault("DAGSTER_HOME", str(root))
+    if getattr(args, "settings", None):
+        os.environ["EAGLE3_SETTINGS"] = str(Path(args.settings).resolve())
+    return root
+
+
+def _instance():
+    from dagster import DagsterInstance
+
+    return DagsterInstance.get()
+
+
+# ---------------------------------------------------------------------------------------------
+# eagle3 run
+
+
+def cmd_run(args) -> int:
+    _enter(args)
+    from .definitions import defs
+    from .resources import shards
+
+    instance = _instance()
+
+    def execute(job_name: str, partition_key: str | None = None) -> bool:
+        label = job_name + (f"[{partition_key}]" if partition_key else "")
+        print(f"== {label}", flush=True)
+        result = defs.resolve_job_def(job_name).execute_in_process(
+            instance=instance, partition_key=partition_key, raise_on_error=False
+        )
+        if not result.success:
+            print(f"!! {label} failed (run {result.run_id}); see `eagle3 ui` for its log", flush=True)
+        return result.success
+
+    if not execute("prompts_job"):
+        return 1
+    keys = instance.get_dynamic_partitions(shards.name)
+    failed = [k for k in keys if not execute("shard_job", k)]
+    if failed:
+        print(f"shards failed: {failed}; rerun them with `eagle3 run` or from the UI")
+        return 1
+    ok = execute("drafter_job")
+    print(summary(instance, keys))
+    return 0 if ok else 1
+
+
+def _latest(instance, asset: str, partition: str | None = None) -> dict:
+    from dagster import AssetKey
+
+    rec = instance.get_latest_materialization_event(AssetKey(asset)) if partition is None else None
+    if partition is not None:
+        from dagster import AssetRecordsFilter
+
+        res = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]), limit=1
+        )
+        rec = res.records[0].event_log_entry if res.records else None
+    if rec is None or rec.asset_materialization is None:
+        return {}
+    return {k: _raw(v) for k, v in rec.asset_materialization.metadata.items()}
+
+
+def summary(instance, keys: list[str]) -> str:
+    lines = ["", "eagle3 summary", f"{'shard':<18} {'samples':>8} {'tokens':>10} {'tokens/s':>10} {'bytes on disk':>15}"]
+    for k in keys:
+        m = _latest(instance, "hidden_states", k)
+        lines.append(
+            f"{k:<18} {m.get('samples', '-'):>8} {m.get('tokens', '-'):>10} "
+            f"{_num(m.get('tokens_per_s')):>10} {m.get('bytes_on_disk', '-'):>15}"
+        )
+    d = _latest(instance, "drafter")
+    e = _latest(instance, "drafter_eval")
+    lines.append(f"drafter: {d.get('path', '-')}  (steps {d.get('steps', '-')}, final loss {d.get('final_loss', '-')})")
+    lines.append(
+        f"acceptance length tau: {e.get('tau', '-')} over {e.get('prompts_used', '-')} MT-bench prompts "
+        f"(K={e.get('num_draft_tokens', '-')}, speed-up {e.get('speedup', '-')}x)"
+    )
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return f"{x:,.0f}" if isinstance(x, (int, float)) else "-"
+
+
+def _raw(value):
+    """A metadata value as plain JSON data."""
+    v = getattr(value, "value", value)
+    return v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# eagle3 history
+
+
+def history(instance) -> list[dict]:
+    from dagster import AssetRecordsFilter
+
+    out = []
+    for key in instance.get_asset_keys():
+        cursor = None
+        while True:
+            res = instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1000, cursor=cursor)
+            for r in res.records:
+                m = r.asset_materialization
+                out.append(
+                    {
+                        "asset": key.to_user_string(),
+                        "partition": m.partition,
+                        "run_id": r.run_id,
+                        "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+                        "metadata": {k: _raw(v) for k, v in m.metadata.items()},
+                    }
+                )
+            if not res.has_more:
+                break
+            cursor = res.cursor
+    return sorted(out, key=lambda r: (r["timestamp"], r["asset"], r["partition"] or ""))
+
+
+def cmd_history(args) -> int:
+    _enter(args)
+    rows = history(_instance())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cols = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", "tokens_per_s", "bytes_on_disk", "tau")
+    table = [
+        [r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
+        + [_cell(r["metadata"].get(c)) for c in cols[4:]]
+        for r in rows
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in table:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    print(f"{len(rows)} materializations")
+    return 0
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    return f"{v:,.1f}" if isinstance(v, float) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# eagle3 ui
+
+
+def cmd_ui(args) -> int:
+    root = _enter(args)
+    cmd = ["dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
+    os.execvp(cmd[0], cmd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="materialize every asset (prompts, each shard, vocab map, drafter, eval)")
+    r.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
+    r.set_defaults(func=cmd_run)
+    h = sub.add_parser("history", help="every materialization in the instance")
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(func=cmd_history)
+    u = sub.add_parser("ui", help="the Dagster UI (webserver + daemon) on the same instance")
+    u.add_argument("--settings")
+    u.add_argument("--port", type=int, default=3000)
+    u.add_argument("--host", default="127.0.0.1")
+    u.set_defaults(func=cmd_ui)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Where each asset keeps its files under the storage root."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def prompts(self) -> Path:
+        return self.root / "prompts" / "prompts.parquet"
+
+    def generations(self, shard: str) -> Path:
+        return self.root / "generations" / f"{shard}.parquet"
+
+    def hidden_states(self, shard: str) -> Path:
+        return self.root / "hidden_states" / shard
+
+    @property
+    def vocab_map(self) -> Path:
+        return self.root / "vocab_map" / "vocab_map.safetensors"
+
+    @property
+    def drafter(self) -> Path:
+        return self.root / "drafter"
+
+    @property
+    def drafter_eval(self) -> Path:
+        return self.root / "drafter_eval" / "eval.json"

