@@ -43,33 +43,38 @@ def _instance():
 # eagle3 run
 
 
-def cmd_run(args) -> int:
-    _enter(args)
-    from .definitions import defs
+def run_pipeline(defs, instance, log=print) -> bool:
+    """Materialize everything: prompts, then each shard (its own run, like a backfill), then the
+    vocab map, drafter and its evaluation. Failed shards are named; the rest still run."""
     from .resources import shards
-
-    instance = _instance()
 
     def execute(job_name: str, partition_key: str | None = None) -> bool:
         label = job_name + (f"[{partition_key}]" if partition_key else "")
-        print(f"== {label}", flush=True)
+        log(f"== {label}")
         result = defs.resolve_job_def(job_name).execute_in_process(
             instance=instance, partition_key=partition_key, raise_on_error=False
         )
         if not result.success:
-            print(f"!! {label} failed (run {result.run_id}); see `eagle3 ui` for its log", flush=True)
+            log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")
         return result.success
 
     if not execute("prompts_job"):
-        return 1
+        return False
     keys = instance.get_dynamic_partitions(shards.name)
     failed = [k for k in keys if not execute("shard_job", k)]
     if failed:
-        print(f"shards failed: {failed}; rerun them with `eagle3 run` or from the UI")
-        return 1
+        log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
+        return False
     ok = execute("drafter_job")
-    print(summary(instance, keys))
-    return 0 if ok else 1
+    log(summary(instance, keys))
+    return ok
+
+
+def cmd_run(args) -> int:
+    _enter(args)
+    from .definitions import defs
+
+    return 0 if run_pipeline(defs, _instance(), log=lambda m: print(m, flush=True)) else 1
 
 
 def _latest(instance, asset: str, partition: str | None = None) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dagster import AssetSelection, Definitions, define_asset_job
 
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
-from .resources import shards
 from .settings import Settings, load_settings, settings_path_from_env
 
 STAGES = (prompts, generations, hidden_states, vocab_map, drafter, drafter_eval)
@@ -20,7 +19,7 @@ def build_definitions(settings: Settings) -> Definitions:
     assets = [stage.build(settings) for stage in STAGES]
     jobs = [
         define_asset_job("prompts_job", AssetSelection.assets("prompts")),
-        define_asset_job("shard_job", AssetSelection.assets("generations", "hidden_states"), partitions_def=shards),
+        define_asset_job("shard_job", AssetSelection.assets("generations", "hidden_states")),
         define_asset_job("drafter_job", AssetSelection.assets("vocab_map", "drafter", "drafter_eval")),
     ]
     return Definitions(assets=assets, jobs=jobs)

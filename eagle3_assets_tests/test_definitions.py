@@ -1,0 +1,36 @@
+from dagster import AssetKey
+
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.settings import Settings, load_settings
+
+ASSETS = ["prompts", "generations", "hidden_states", "vocab_map", "drafter", "drafter_eval"]
+
+
+def test_definitions_hold_the_six_assets_and_their_lineage():
+    defs = build_definitions(load_settings())
+    graph = defs.resolve_asset_graph()
+    assert sorted(k.to_user_string() for k in graph.get_all_asset_keys()) == sorted(ASSETS)
+    deps = {k.to_user_string(): sorted(p.to_user_string() for p in graph.get(k).parent_keys) for k in graph.get_all_asset_keys()}
+    assert deps == {
+        "prompts": [],
+        "generations": ["prompts"],
+        "hidden_states": ["generations"],
+        "vocab_map": ["generations"],
+        "drafter": ["hidden_states", "vocab_map"],
+        "drafter_eval": ["drafter"],
+    }
+    for name in ("generations", "hidden_states"):
+        assert graph.get(AssetKey(name)).partitions_def.name == "shards"
+    for job in ("prompts_job", "shard_job", "drafter_job"):
+        defs.resolve_job_def(job)
+
+
+def test_a_settings_change_changes_exactly_the_affected_code_versions():
+    def versions(settings):
+        graph = build_definitions(settings).resolve_asset_graph()
+        return {k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys()}
+
+    base = Settings()
+    changed = versions(base.model_copy(update={"vocab": base.vocab.model_copy(update={"draft_vocab_size": 1000})}))
+    same = versions(base)
+    assert {k for k in same if same[k] != changed[k]} == {"vocab_map", "drafter"}

@@ -1,0 +1,33 @@
+import polars as pl
+import torch
+
+from eagle3_assets.core.generate import generate_shard, template_ids
+from eagle3_assets.core.target import load_model, load_tokenizer
+
+
+def test_generations_store_prompt_plus_answer_with_loss_mask_on_the_answer(tiny_target, tmp_path):
+    model = load_model(tiny_target, "float32", "cpu")
+    tok = load_tokenizer(tiny_target)
+    prompts = pl.DataFrame(
+        {"row_id": [10, 11, 12], "system": [None, "sys", None], "prompt": ["hi", "a longer prompt", "x"]}
+    )
+    out = tmp_path / "g.parquet"
+    r = generate_shard(model, tok, prompts, out, batch_size=2, max_new_tokens=6)
+    df = pl.read_parquet(out)
+    assert df["row_id"].to_list() == [10, 11, 12]
+    assert r.samples == 3 and r.answer_tokens == int(df["answer_tokens"].sum()) and r.generate_s > 0
+    for row, (system, prompt) in zip(df.iter_rows(named=True), [(None, "hi"), ("sys", "a longer prompt"), (None, "x")]):
+        ids = template_ids(tok, system, prompt)
+        assert row["input_ids"][: len(ids)] == ids
+        assert row["loss_mask"] == [0] * len(ids) + [1] * row["answer_tokens"]
+        assert 1 <= row["answer_tokens"] <= 6
+
+
+def test_greedy_batched_answers_equal_one_at_a_time(tiny_target, tmp_path):
+    model = load_model(tiny_target, "float32", "cpu")
+    tok = load_tokenizer(tiny_target)
+    prompts = pl.DataFrame({"row_id": [0, 1, 2], "system": [None] * 3, "prompt": ["a", "bcdefg", "hij"]})
+    generate_shard(model, tok, prompts, tmp_path / "b.parquet", batch_size=3, max_new_tokens=5)
+    generate_shard(model, tok, prompts, tmp_path / "u.parquet", batch_size=1, max_new_tokens=5)
+    b, u = pl.read_parquet(tmp_path / "b.parquet"), pl.read_parquet(tmp_path / "u.parquet")
+    assert b["input_ids"].to_list() == u["input_ids"].to_list()

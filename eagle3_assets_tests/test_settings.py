@@ -1,0 +1,54 @@
+import pytest
+
+from eagle3_assets.settings import DEMO_SETTINGS, Settings, SettingsError, load_settings
+
+
+def test_embedded_default_is_the_demo_with_at_least_three_shards():
+    s = load_settings()
+    assert s.target_model == "embedded:SmolLM2-135M-Instruct"
+    assert s.max_prompts / s.shard_size >= 3
+
+
+def test_production_default_shard_size_is_2000():
+    assert Settings().shard_size == 2000
+
+
+def test_typo_in_a_key_is_refused_with_its_name(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("shard_szie: 10\n")
+    with pytest.raises(SettingsError, match=r"shard_szie: Extra inputs are not permitted"):
+        load_settings(f)
+
+
+def test_nested_typo_and_bad_value(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("training:\n  lr: -1\n  epocs: 2\n")
+    with pytest.raises(SettingsError) as e:
+        load_settings(f)
+    assert "training.lr" in str(e.value) and "training.epocs" in str(e.value)
+
+
+def test_aux_layer_ids_must_be_three_distinct(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("extraction:\n  aux_layer_ids: [1, 1, 2]\n")
+    with pytest.raises(SettingsError, match="three distinct layer ids"):
+        load_settings(f)
+
+
+def test_relative_storage_root_is_relative_to_the_settings_file(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("storage_root: data\n")
+    assert load_settings(f).root == tmp_path / "data"
+
+
+def test_fingerprint_changes_with_the_named_settings_only():
+    a = Settings()
+    b = a.model_copy(update={"shard_size": 10})
+    assert a.fingerprint("shard_size") != b.fingerprint("shard_size")
+    assert a.fingerprint("training") == b.fingerprint("training")
+
+
+def test_missing_settings_file():
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings("/no/such.yaml")
+    assert DEMO_SETTINGS.is_file()
