@@ -48,6 +48,12 @@ class TrainConfig:
     log_every: int = 10
     acc_window: int = 50  # per-step accuracy is measured over the last this many batches
     checkpoint_dtype: str = "bfloat16"
+    # Keep every sample in memory (on `device`) after one read, instead of reading each batch
+    # from disk: on a GPU with room for the shards this removes the per-step file reads.
+    preload: bool = False
+    # Stop after this many seconds of training even if max_steps is not reached; the LR schedule
+    # then follows the larger of the step and time fractions, so it still ends fully decayed.
+    time_budget_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,11 +137,43 @@ def load_batch(batch: list[SampleRef], max_length: int) -> dict[str, torch.Tenso
     }
 
 
-def batches_forever(refs, cfg: TrainConfig) -> Iterator[dict[str, torch.Tensor]]:
+def batches_forever(refs, cfg: TrainConfig, cache: dict | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches, epoch after epoch. With `cache` (see `preload_samples`) batches are
+    padded from the in-memory samples; the plan is the same as from disk."""
     rng = random.Random(cfg.seed)
     while True:
         for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng):
-            yield load_batch(batch, cfg.max_length)
+            yield load_batch(batch, cfg.max_length) if cache is None else _batch_from_cache(batch, cache)
+
+
+def preload_samples(refs: list[SampleRef], max_length: int, device: torch.device) -> dict:
+    """Read every sample once (truncated to max_length) onto `device`: path -> tensors."""
+    cache = {}
+    for ref in refs:
+        with safe_open(str(ref.path), framework="pt") as f:
+            cache[ref.path] = {key: f.get_slice(key)[:max_length].to(device) for key in
+                               ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")}
+    return cache
+
+
+def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
+    samples = [cache[ref.path] for ref in batch]
+    T = max(s["input_ids"].shape[0] for s in samples)
+    device = samples[0]["input_ids"].device
+
+    def pad(key: str, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros((len(samples), T, *samples[0][key].shape[1:]), dtype=dtype, device=device)
+        for i, s in enumerate(samples):
+            out[i, : s[key].shape[0]] = s[key].to(dtype)
+        return out
+
+    return {
+        "input_ids": pad("input_ids", torch.int64),
+        "loss_mask": pad("loss_mask", torch.int64),
+        "aux_hidden_states": pad("aux_hidden_states", samples[0]["aux_hidden_states"].dtype),
+        "last_hidden_state": pad("last_hidden_state", samples[0]["last_hidden_state"].dtype),
+        "lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,11 +279,13 @@ def ttt_loss(
 # ---------------------------------------------------------------------------------------------
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio at max_steps (nanoGPT's get_lr)."""
+def learning_rate(step: int, cfg: TrainConfig, time_fraction: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at max_steps (nanoGPT's get_lr).
+    `time_fraction` (elapsed / time budget) ends the decay early when time runs out first."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = max(progress, time_fraction)
     coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + coeff * (1.0 - cfg.min_lr_ratio))
 
@@ -283,15 +323,29 @@ def train_drafter(
     refs = list_samples(shard_dirs)
     log(f"train: {len(refs)} samples, {sum(r.tokens for r in refs):,} tokens, "
         f"{sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}")
+    preload_s = 0.0
+    cache = None
+    if cfg.preload:
+        t_pre = time.perf_counter()
+        cache = preload_samples(refs, cfg.max_length, device)
+        preload_s = time.perf_counter() - t_pre
+        log(f"train: preloaded {len(cache)} samples onto {device} in {preload_s:.1f} s")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    data = batches_forever(refs, cfg)
+    data = batches_forever(refs, cfg, cache)
     loss_history, tokens_seen = [], 0
+    curve: list[dict] = []  # the logged points: step, time, loss, per-step accuracy
     window: deque[list[tuple[int, int]]] = deque(maxlen=cfg.acc_window)
     t0 = time.perf_counter()
+    steps_done = 0
 
     for step in range(cfg.max_steps):
-        lr = learning_rate(step, cfg)
+        elapsed = time.perf_counter() - t0
+        time_fraction = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
+        if time_fraction >= 1.0:
+            log(f"train: time budget of {cfg.time_budget_s:.0f} s reached after {step} steps")
+            break
+        lr = learning_rate(step, cfg, time_fraction)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -312,9 +366,13 @@ def train_drafter(
         tokens_seen += int(batch["lengths"].sum())
         loss_history.append(loss.item())
         window.append(tallies)
+        steps_done = step + 1
         if step % cfg.log_every == 0 or step == cfg.max_steps - 1:
             elapsed = time.perf_counter() - t0
             acc = [c / max(n, 1) for c, n in tallies]
+            win_acc = [sum(t[k][0] for t in window) / max(1, sum(t[k][1] for t in window)) for k in range(len(tallies))]
+            curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5),
+                          "lr": lr, "accuracy": [round(a, 4) for a in win_acc], "tokens_seen": tokens_seen})
             log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
                 f"acc {' '.join(f'{a:.2f}' for a in acc)} | lr {lr:.2e} | grad {float(grad_norm):.2f} | "
                 f"{tokens_seen / elapsed:,.0f} tok/s")
@@ -325,9 +383,11 @@ def train_drafter(
     ]
     out_dir = Path(out_dir)
     save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
-    log(f"train: saved drafter to {out_dir} after {cfg.max_steps} steps, {train_s:.1f} s")
+    log(f"train: saved drafter to {out_dir} after {steps_done} steps, {train_s:.1f} s")
     return {
-        "steps": cfg.max_steps,
+        "steps": steps_done,
+        "curve": curve,
+        "preload_s": preload_s,
         "tokens_seen": tokens_seen,
         "final_loss": loss_history[-1],
         "loss_history": loss_history,
