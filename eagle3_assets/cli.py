@@ -52,7 +52,11 @@ def run_pipeline(defs, instance, log=print) -> bool:
         label = job_name + (f"[{partition_key}]" if partition_key else "")
         log(f"== {label}")
         result = defs.resolve_job_def(job_name).execute_in_process(
-            instance=instance, partition_key=partition_key, raise_on_error=False
+            instance=instance,
+            partition_key=partition_key,
+            raise_on_error=False,
+            # Progress and errors, not every engine event; the UI keeps the full log.
+            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
         )
         if not result.success:
             log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")

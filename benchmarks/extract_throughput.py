@@ -1,0 +1,371 @@
+"""Hidden-state extraction throughput, in one run: ceilings, the peers' way, and our engine.
+
+On a GPU (the real measurement), a Llama-3.1-8B-shaped model with random bf16 weights built
+directly on the card, seeded samples of 256-4096 tokens, real files written to local disk:
+
+    PYTHONPATH=. python benchmarks/extract_throughput.py --out-dir /tmp/xbench --json $OUT/extract.json
+
+`--tiny` runs the same steps on a tiny model (a CPU smoke test). Prints a table last.
+Needs torch, transformers, safetensors (not polars: the engine imports it only for manifests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+try:  # the device image has no polars; the engine needs it only for manifests, which we don't write
+    import polars  # noqa: F401
+except ImportError:
+    sys.modules["polars"] = types.ModuleType("polars")
+
+from eagle3_assets.core.hidden_states import (  # noqa: E402
+    bytes_per_token,
+    extract_samples,
+    forward_batch,
+    lean_forward,
+    lean_supported,
+    LayerCapture,
+    plan_packs,
+    read_sample,
+    sample_file,
+    validate_sample,
+)
+
+ROWS: list[tuple[str, float, str]] = []
+RESULTS: dict = {}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def row(name: str, tok_s: float, note: str = "") -> None:
+    ROWS.append((name, tok_s, note))
+    RESULTS[name] = {"tokens_per_s": tok_s, "note": note}
+    log(f"  -> {name}: {tok_s:,.0f} tok/s {note}")
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build_model(tiny: bool, dev):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192)
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192},
+                          tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    with torch.no_grad():  # random, never zeros: norms too (HF inits them to ones)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+    sync(dev)
+    std = model.model.layers[0].mlp.gate_proj.weight.float().std().item()
+    log(f"model built on {dev} in {time.perf_counter() - t0:.1f} s; weight std {std:.4f}; dtype {model.dtype}")
+    assert std > 0
+    return model
+
+
+def make_samples(n: int, lo: int, hi: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (t,), generator=g).tolist()
+        prompt = int(torch.randint(1, max(2, t // 2), (1,), generator=g))
+        mask = [0] * prompt + [1] * (t - prompt)
+        out.append((i, ids, mask))
+    return out
+
+
+def flops_per_token(model, samples) -> tuple[float, float]:
+    """(2 x non-embedding params, causal attention FLOPs per token averaged over the samples)."""
+    base = model.model
+    params = sum(p.numel() for n, p in base.named_parameters() if not n.startswith("embed_tokens"))
+    h, layers = model.config.hidden_size, model.config.num_hidden_layers
+    tokens = sum(len(s[1]) for s in samples)
+    # QK^T and PV: 2 x 2 x ctx x H FLOPs per token per layer, ctx averaging (T+1)/2 over a causal sample
+    attn = sum(2 * h * layers * len(s[1]) * (len(s[1]) + 1) for s in samples) / tokens
+    return 2.0 * params, attn
+
+
+def matmul_ceiling(dev, tiny: bool) -> float:
+    n = 512 if tiny else 8192
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    mats = [(torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)) for _ in range(3)]
+    for a, b in mats:
+        a @ b
+    sync(dev)
+    times = []
+    for i in range(30 if not tiny else 5):
+        a, b = mats[i % 3]
+        sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def disk_ceiling(path: Path, nbytes: int) -> float:
+    """fsync'd large sequential write, bytes/s."""
+    chunk = os.urandom(64 << 20)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    written = 0
+    while written < nbytes:
+        written += os.write(fd, chunk)
+    os.fsync(fd)
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    path.unlink()
+    return written / dt
+
+
+def reset_dir(d: Path) -> Path:
+    shutil.rmtree(d, ignore_errors=True)  # deleting drops the dirty pages: no writeback left over
+    d.mkdir(parents=True)
+    os.sync()
+    return d
+
+
+def peers_way(model, samples, out: Path, aux_ids, dev) -> float:
+    """One sample at a time, full LM (logits), output_hidden_states=True, torch.save per sample."""
+    def one(row_id, ids, mask):
+        with torch.inference_mode():
+            o = model(input_ids=torch.tensor([ids], device=dev), output_hidden_states=True)
+            hs = o.hidden_states
+            aux = torch.cat([hs[j] for j in aux_ids], dim=-1)[0]
+            torch.save({"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                        "aux_hidden_states": aux.cpu(), "last_hidden_state": hs[-1][0].cpu()},
+                       out / f"{row_id:07d}.pt")
+            assert o.logits.shape[-1] == model.config.vocab_size
+    one(*samples[0])  # warm-up (not timed)
+    sync(dev)
+    t0 = time.perf_counter()
+    for s in samples:
+        one(*s)
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def hf_base_no_save(base, samples, aux_ids, dev) -> float:
+    cap = LayerCapture(base, aux_ids)
+    try:
+        forward_batch(base, cap, [samples[0][1]], dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        for _, ids, _ in samples:
+            aux, last = forward_batch(base, cap, [ids], dev)
+        sync(dev)
+        return time.perf_counter() - t0
+    finally:
+        cap.remove()
+
+
+def lean_no_save(base, samples, aux_ids, batch_tokens, dev) -> float:
+    packs = plan_packs([len(s[1]) for s in samples], batch_tokens)
+    lean_forward(base, [samples[0][1]], aux_ids, torch.bfloat16)
+    sync(dev)
+    t0 = time.perf_counter()
+    for p in packs:
+        aux, last = lean_forward(base, [samples[i][1] for i in p], aux_ids, torch.bfloat16)
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def check_against_hf(model, samples, aux_ids, out: Path, dtype, batch_tokens) -> float:
+    """Relative error of the engine's files (short samples packed together) vs HF, per sample."""
+    pick = sorted(samples, key=lambda s: len(s[1]))[:3] + [max(samples, key=lambda s: len(s[1]))]
+    extract_samples(model.model, pick, out, aux_layer_ids=aux_ids, dtype=dtype, batch_tokens=batch_tokens,
+                    writer_threads=2, metadata={"check": "1"})
+    worst = 0.0
+    for row_id, ids, _ in pick:
+        got = read_sample(sample_file(out, row_id))
+        with torch.inference_mode():
+            hs = model.model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True).hidden_states
+        ref = torch.cat([torch.cat([hs[j] for j in aux_ids], -1)[0], hs[-1][0]], -1).float().cpu()
+        mine = torch.cat([got["aux_hidden_states"], got["last_hidden_state"]], -1).float()
+        err = ((mine - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(mine).all()
+        worst = max(worst, err)
+    return worst
+
+
+def load_test(model, d: Path, dev) -> dict:
+    from transformers import AutoModel
+
+    reset_dir(d)
+    t0 = time.perf_counter()
+    model.save_pretrained(d)
+    os.sync()
+    save_s = time.perf_counter() - t0
+    files = list(d.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    for f in files:  # evict from the page cache: a cold read, as from a fresh node
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    res = {"checkpoint_bytes": size, "save_s": save_s}
+    for kind in ("cold", "warm"):
+        t0 = time.perf_counter()
+        m = AutoModel.from_pretrained(d, dtype=torch.bfloat16, device_map=str(dev) if dev.type == "cuda" else None)
+        sync(dev)
+        res[f"load_{kind}_s"] = time.perf_counter() - t0
+        del m
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="tiny model and samples (CPU smoke test)")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="/tmp/extract_bench")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--writer-threads", type=int, default=4)
+    ap.add_argument("--staging-buffers", type=int, default=3)
+    ap.add_argument("--disk-gb", type=float, default=4.0)
+    ap.add_argument("--load-test", action="store_true", help="save the model, time a cold and a warm load")
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--sweep", default="", help="comma-separated pack sizes: also time the lean forward at these")
+    args = ap.parse_args()
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    out = Path(args.out_dir)
+    RESULTS["args"] = vars(args)
+    RESULTS["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    import transformers
+
+    RESULTS["versions"]["transformers"] = transformers.__version__
+    log(f"{RESULTS['date']}  device {RESULTS['device']}  torch {torch.__version__}  transformers {transformers.__version__}")
+
+    model = build_model(args.tiny, dev)
+    base = model.model
+    n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    aux_ids = [2, n_layers // 2, n_layers - 3]
+    dtype = torch.bfloat16
+    lo, hi = (16, 256) if args.tiny else (256, 4096)
+    samples = make_samples(args.samples, lo, hi, model.config.vocab_size, args.seed)
+    tokens = sum(len(s[1]) for s in samples)
+    bpt = bytes_per_token(hidden, dtype)
+    RESULTS.update(samples=len(samples), tokens=tokens, mean_tokens=tokens / len(samples), bytes_per_token=bpt,
+                   aux_layer_ids=aux_ids, lean_supported=lean_supported(base))
+    log(f"{len(samples)} samples, {tokens:,} tokens (mean {tokens / len(samples):,.0f}, {lo}-{hi}), "
+        f"{bpt:,} bytes/token, aux ids {aux_ids}, lean path: {lean_supported(base)}")
+
+    # correctness on this device: engine files vs HF output_hidden_states, short samples packed together
+    err = check_against_hf(model, samples, aux_ids, reset_dir(out / "check"), dtype, args.batch_tokens)
+    RESULTS["max_rel_err_vs_hf"] = err
+    log(f"engine vs HF output_hidden_states (bf16 files, packed): max relative error {err:.2e}")
+
+    # ceilings
+    dense, attn = flops_per_token(model, samples)
+    rate = matmul_ceiling(dev, args.tiny)
+    RESULTS.update(matmul_flops_per_s=rate, flops_per_token_dense=dense, flops_per_token_attn=attn)
+    row("compute ceiling (bf16 matmul, measured)", rate / (dense + attn),
+        f"{rate / 1e12:,.0f} TFLOP/s / {(dense + attn) / 1e9:.2f} GFLOP/token")
+    disk_bytes = int((0.1 if args.tiny else args.disk_gb) * 1e9)
+    wbps = disk_ceiling(out / "disk_probe.bin", disk_bytes)
+    RESULTS["disk_write_bytes_per_s"] = wbps
+    row("disk ceiling (fsync'd sequential write, measured)", wbps / bpt, f"{wbps / 1e9:.2f} GB/s / {bpt:,} B/token")
+
+    # the peers' way
+    if not args.skip_peers:
+        d = reset_dir(out / "peers")
+        t = peers_way(model, samples, d, aux_ids, dev)
+        row("peers' way: per sample, full LM + output_hidden_states, torch.save", tokens / t, f"{t:.1f} s")
+        shutil.rmtree(d, ignore_errors=True)
+
+    # no-saving references: what the forward alone can do
+    t = hf_base_no_save(base, samples, aux_ids, dev)
+    row("HF base model per sample + hooks, no saving", tokens / t, f"{t:.1f} s")
+    t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
+    row(f"engine forward only (lean, packed {args.batch_tokens}), no saving", tokens / t, f"{t:.1f} s")
+    for bt in [int(x) for x in args.sweep.split(",") if x]:
+        t = lean_no_save(base, samples, aux_ids, bt, dev)
+        row(f"engine forward only (lean, packed {bt}), no saving", tokens / t, f"{t:.1f} s")
+
+    # our engine, real files
+    d = reset_dir(out / "engine")
+    meta = {"format_version": "1", "target_model": "bench", "aux_layer_ids": ",".join(map(str, aux_ids)),
+            "dtype": "bfloat16", "hidden_size": str(hidden)}
+    t0 = time.perf_counter()
+    extract_samples(base, samples, d, aux_layer_ids=aux_ids, dtype=dtype, batch_tokens=args.batch_tokens,
+                    writer_threads=args.writer_threads, metadata=meta, staging_buffers=args.staging_buffers)
+    t_files = time.perf_counter() - t0
+    os.sync()
+    t_synced = time.perf_counter() - t0
+    files = sorted(d.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    assert len(files) == len(samples), (len(files), len(samples))
+    assert not list(d.glob(".*")), "temporaries left"
+    assert all(validate_sample(sample_file(d, s[0]), s[1], hidden, dtype) for s in samples[:8])
+    RESULTS.update(engine_bytes_on_disk=on_disk, engine_files=len(files))
+    row("OUR ENGINE: files written (closed + renamed)", tokens / t_files, f"{t_files:.1f} s, {on_disk / 1e9:.2f} GB")
+    row("our engine incl. os.sync() (data on disk)", tokens / t_synced, f"{t_synced:.1f} s")
+    shutil.rmtree(d, ignore_errors=True)
+    peers = RESULTS.get("peers' way: per sample, full LM + output_hidden_states, torch.save")
+    if peers:
+        RESULTS["speedup_vs_peers"] = (tokens / t_files) / peers["tokens_per_s"]
+
+    if args.load_test:
+        lt = load_test(model, out / "ckpt", dev)
+        shard_tokens = 2000 * RESULTS["mean_tokens"]
+        lt["shard_2000_tokens"] = shard_tokens
+        lt["shard_2000_extract_s"] = shard_tokens / (tokens / t_files)
+        lt["shard_2000_extract_s_disk_bound"] = shard_tokens / min(tokens / t_files, wbps / bpt)
+        lt["shard_2000_bytes"] = shard_tokens * bpt
+        RESULTS["load"] = lt
+        log(f"load: {json.dumps(lt)}")
+
+    log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
+    for name, v, note in ROWS:
+        log(f"| {name} | {v:,.0f} | {note} |")
+    if "speedup_vs_peers" in RESULTS:
+        log(f"engine / peers' way: {RESULTS['speedup_vs_peers']:.2f}x")
+    if "load" in RESULTS:
+        lt = RESULTS["load"]
+        log(f"model load: cold {lt['load_cold_s']:.1f} s, warm {lt['load_warm_s']:.1f} s "
+            f"({lt['checkpoint_bytes'] / 1e9:.1f} GB); a 2,000-sample shard (~{lt['shard_2000_tokens'] / 1e6:.1f}M tokens, "
+            f"{lt['shard_2000_bytes'] / 1e9:.0f} GB) extracts in ~{lt['shard_2000_extract_s']:.0f} s at the engine's rate, "
+            f"~{lt['shard_2000_extract_s_disk_bound']:.0f} s if disk-bound")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(RESULTS, indent=2))
+
+
+if __name__ == "__main__":
+    main()

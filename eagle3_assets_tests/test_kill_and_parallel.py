@@ -1,0 +1,117 @@
+"""A shard survives SIGKILL at any point, and several processes write the same files as one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from dagster import DagsterInstance, materialize
+
+from eagle3_assets.assets import hidden_states
+from eagle3_assets.core.extract_job import ExtractParams
+from eagle3_assets.core.hidden_states import MANIFEST
+from eagle3_assets.core.layout import Layout
+from eagle3_assets.settings import Settings
+
+from .test_extract_job import write_generations
+
+SHARD = "rows_00000-00160"
+
+
+def job_pids() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"eagle3_assets.jobs.extract_hidden_states" in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture
+def shard_setup(tiny_target, tmp_path):
+    settings = Settings(
+        target_model=str(tiny_target),
+        storage_root=str(tmp_path / "data"),
+        extraction={"dtype": "float32", "device": "cpu", "batch_tokens": 1, "writer_threads": 2},
+    )
+    layout = Layout(settings.root)
+    layout.generations(SHARD).parent.mkdir(parents=True)
+    write_generations(layout.generations(SHARD), n=160, seed=1)
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("shards", [SHARD])
+    return settings, layout, instance
+
+
+def kill_at(shard: Path, thresholds: list[int], killed_at: list[int], stop: threading.Event) -> None:
+    """SIGKILL the extraction process once the shard holds each threshold's number of files."""
+    pending = list(thresholds)
+    while pending and not stop.is_set():
+        n = len(list(shard.glob("*.safetensors"))) if shard.is_dir() else 0
+        pids = job_pids()
+        if n >= pending[0] and pids:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            killed_at.append(n)
+            pending.pop(0)
+        time.sleep(0.005)
+
+
+def test_sigkill_at_several_points_then_rerun_completes_the_shard(shard_setup):
+    settings, layout, instance = shard_setup
+    asset = hidden_states.build(settings)
+    shard = layout.hidden_states(SHARD)
+
+    # Run 1: the first attempt is killed after 1 file, the RetryPolicy's retry after 40: the run fails.
+    # Run 2 (the user's rerun of the partition): killed after 100 files, its retry completes the shard.
+    for thresholds, succeeds in (([1, 40], False), ([100], True)):
+        killed_at, stop = [], threading.Event()
+        killer = threading.Thread(target=kill_at, args=(shard, thresholds, killed_at, stop))
+        killer.start()
+        result = materialize([asset], partition_key=SHARD, instance=instance, raise_on_error=False)
+        stop.set()
+        killer.join()
+        assert len(killed_at) == len(thresholds), f"killed at {killed_at}, wanted {thresholds}"
+        assert all(n < 160 for n in killed_at), f"the job finished before a kill: {killed_at}"
+        assert result.success is succeeds
+        if not succeeds:
+            assert not (shard / MANIFEST).exists()  # an interrupted shard is never marked complete
+
+    m = {k: v.value for k, v in result.asset_materializations_for_node("hidden_states")[0].metadata.items()}
+    files = list(shard.iterdir())
+    assert m["samples"] == 160 and m["samples_resumed"] >= 100 - 8  # a few may have been mid-write
+    assert not [f for f in files if f.name.startswith(".")], "temporary files left behind"
+    assert m["bytes_on_disk"] == sum(f.stat().st_size for f in files)
+    assert len([f for f in files if f.suffix == ".safetensors"]) == 160
+
+
+def run_job(params: ExtractParams, nproc: int) -> None:
+    env = {**os.environ, "EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
+    job = ["-m", "eagle3_assets.jobs.extract_hidden_states"]
+    cmd = [sys.executable, *job] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job
+    ]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
+
+
+def test_two_gloo_processes_write_the_same_files_as_one(tiny_target, tmp_path):
+    gens = tmp_path / "g.parquet"
+    write_generations(gens, n=12, seed=2)
+    common = dict(generations_path=str(gens), model_dir=str(tiny_target), target_name="tiny",
+                  dtype="float32", device="cpu", batch_tokens=1, writer_threads=2)
+    run_job(ExtractParams(shard_dir=str(tmp_path / "one"), **common), 1)
+    run_job(ExtractParams(shard_dir=str(tmp_path / "two"), **common), 2)
+    one = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
+    two = sorted(p.name for p in (tmp_path / "two").glob("*.safetensors"))
+    assert one == two and len(one) == 12
+    for name in one:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert (tmp_path / "two" / MANIFEST).is_file()
