@@ -27,6 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+try:  # the GPU image has no pydantic; core needs only two names from the settings module
+    import pydantic  # noqa: F401
+except ModuleNotFoundError:
+    import types
+
+    _settings = types.ModuleType("eagle3_assets.settings")
+    _settings.EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+    _settings.EMBEDDED_PROMPTS = "embedded:sharegpt"
+    sys.modules["eagle3_assets.settings"] = _settings
+
 TARGET = "embedded:SmolLM2-135M-Instruct"
 STAGES = ["setup", "prompts", "generate", "extract", "vocab", "train", "eval"]
 

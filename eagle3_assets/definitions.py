@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dagster import AssetSelection, Definitions, define_asset_job
 
+from . import checks
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
 from .settings import Settings, load_settings, settings_path_from_env
 
@@ -22,7 +23,7 @@ def build_definitions(settings: Settings) -> Definitions:
         define_asset_job("shard_job", AssetSelection.assets("generations", "hidden_states")),
         define_asset_job("drafter_job", AssetSelection.assets("vocab_map", "drafter", "drafter_eval")),
     ]
-    return Definitions(assets=assets, jobs=jobs)
+    return Definitions(assets=assets, asset_checks=checks.build(settings), jobs=jobs)
 
 
 defs = build_definitions(load_settings(settings_path_from_env()))

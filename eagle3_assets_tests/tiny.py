@@ -50,8 +50,8 @@ def make_tiny_llama(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings))
     with torch.no_grad():  # non-unit norms, so that "before" and "after" a norm differ
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
         # A confident target, like a trained LM (random init gives near-uniform next tokens).
         model.model.norm.weight.mul_(sharpness)

@@ -138,23 +138,29 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 # Files
 
 
-def write_sample(path: Path, input_ids, loss_mask, aux: torch.Tensor, last: torch.Tensor, metadata: dict[str, str]) -> int:
+def write_sample(
+    path: Path, input_ids, loss_mask, aux: torch.Tensor, last: torch.Tensor, metadata: dict[str, str], fsync: bool = False
+) -> int:
     tensors = {
         "input_ids": torch.as_tensor(input_ids, dtype=torch.int32),
         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
         "aux_hidden_states": aux,
         "last_hidden_state": last,
     }
-    return _write_safetensors(path, tensors, metadata)
+    return _write_safetensors(path, tensors, metadata, fsync)
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
+def _write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, fsync: bool = False
+) -> int:
     """Write a safetensors file (temporary name, then atomic rename); returns its size.
 
     The same bytes layout as `safetensors.torch.save_file` (tensors ordered by
     alignment, then name; header padded to 8 bytes), but the tensor bytes go to the
     file straight from the (pinned) host buffers with `os.write`, which releases
     the GIL: no serialized copy in memory, and the forward's thread keeps running.
+    `fsync` puts the data on disk before the rename (durable across a power loss; the
+    writer thread then runs at the disk's pace).
     """
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("safetensors metadata must map str to str")
@@ -181,6 +187,8 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
             for _, t in items:
                 if t.numel():
                     _write_all(fd, t.reshape(-1).view(torch.uint8).numpy())
+            if fsync:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -305,6 +313,7 @@ def extract_samples(
     metadata: dict[str, str],
     staging_buffers: int = 3,
     lean: bool | None = None,
+    fsync: bool = False,
 ) -> None:
     """Extract and write `samples` (row_id, input_ids, loss_mask) into shard_dir.
 
@@ -312,7 +321,9 @@ def extract_samples(
     `staging_buffers` host buffers of that size bound the memory: when the writers
     fall behind, the forward waits for a free buffer. `lean=None` uses the lean
     forward where the model supports it (`lean_supported`), False forces the
-    Hugging Face forward (one sample at a time, hooks).
+    Hugging Face forward (one sample at a time, hooks). `fsync=True` makes each file
+    durable before its rename (the writers then wait on the disk, the forward does not
+    until the staging buffers are all taken).
     """
     shard_dir = Path(shard_dir)
     if not samples:
@@ -355,7 +366,7 @@ def extract_samples(
                     futures.append(
                         pool.submit(
                             _write_staged, sample_file(shard_dir, row_id), ids, mask,
-                            host_aux[off : off + t], host_last[off : off + t], metadata, ready, countdown,
+                            host_aux[off : off + t], host_last[off : off + t], metadata, ready, countdown, fsync,
                         )
                     )
                     off += t
@@ -382,11 +393,11 @@ def plan_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
     return packs
 
 
-def _write_staged(path, ids, mask, aux, last, metadata, ready, countdown) -> None:
+def _write_staged(path, ids, mask, aux, last, metadata, ready, countdown, fsync=False) -> None:
     try:
         if ready is not None:
             ready.synchronize()  # the device->host copy has landed (releases the GIL while waiting)
-        write_sample(path, ids, mask, aux, last, metadata)
+        write_sample(path, ids, mask, aux, last, metadata, fsync)
     finally:
         countdown.done()
 
