@@ -157,6 +157,11 @@ def history(instance) -> list[dict]:
 def cmd_history(args) -> int:
     _enter(args)
     rows = history(_instance())
+    if args.plot:
+        from .core.report import plot_history
+
+        print(f"wrote {plot_history(rows, Path(args.plot))}")
+        return 0
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -180,6 +185,22 @@ def _cell(v) -> str:
     return f"{v:,.1f}" if isinstance(v, float) else str(v)
 
 
+def cmd_report(args) -> int:
+    _enter(args)
+    import polars as pl
+
+    from .core.report import manifests_summary, throughput_report
+    from .definitions import SETTINGS
+
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
+        print("throughput_report (every hidden_states materialization in the instance)")
+        print(throughput_report(history(_instance())))
+    print("\non disk now (manifests):")
+    for shard, samples, tokens, nbytes in manifests_summary(SETTINGS.root / "hidden_states"):
+        print(f"  {shard}: {samples} samples, {tokens:,} tokens, {nbytes:,} bytes of sample files")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # eagle3 ui
 
@@ -199,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=cmd_run)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")
+    h.add_argument("--plot", metavar="PATH", help="write a PNG chart of tokens/s and bytes per shard")
     h.set_defaults(func=cmd_history)
+    rp = sub.add_parser("report", help="throughput_report: per shard runs, tokens/s (latest, best), bytes")
+    rp.set_defaults(func=cmd_report)
     u = sub.add_parser("ui", help="the Dagster UI (webserver + daemon) on the same instance")
     u.add_argument("--settings")
     u.add_argument("--port", type=int, default=3000)

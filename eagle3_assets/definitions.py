@@ -26,4 +26,5 @@ def build_definitions(settings: Settings) -> Definitions:
     return Definitions(assets=assets, asset_checks=checks.build(settings), jobs=jobs)
 
 
-defs = build_definitions(load_settings(settings_path_from_env()))
+SETTINGS = load_settings(settings_path_from_env())
+defs = build_definitions(SETTINGS)

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from eagle3_assets.cli import history, run_pipeline
 from eagle3_assets.core.hidden_states import MANIFEST
+from eagle3_assets.core.report import manifests_summary, plot_history, throughput_report
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.settings import load_settings
 
@@ -93,6 +94,15 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     ev = by_asset["drafter_eval"][0]["metadata"]
     assert 1.0 <= ev["tau"] <= 8.0 and ev["prompts_used"] == 2 and ev["matches_greedy"] == 2
     assert any(line.startswith("acceptance length tau:") for line in "\n".join(logs).splitlines())
+
+    # The throughput history as a table, a chart, and what the manifests say is on disk.
+    report = throughput_report(rows)
+    assert report["shard"].to_list() == keys and report["runs"].to_list() == [1, 1, 1]
+    assert report["latest_tokens_per_s"].to_list() == [round(hs[k]["tokens_per_s"], 1) for k in keys]
+    png = plot_history(rows, tmp_path / "history.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on_disk = manifests_summary(settings.root / "hidden_states")
+    assert [(s, n, t) for s, n, t, _ in on_disk] == [(k, 3, hs[k]["tokens"]) for k in keys]
 
     # Lineage: each materialization carries a data version derived from its inputs.
     for key in ("prompts", "drafter"):
