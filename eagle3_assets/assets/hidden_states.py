@@ -54,6 +54,7 @@ def build(settings: Settings):
             device=ex.device,
             batch_tokens=ex.batch_tokens,
             writer_threads=ex.writer_threads,
+            parallel=ex.parallel,
         )
         return pipes_client().run(
             command=launch_command(ex.nproc),

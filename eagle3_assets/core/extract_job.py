@@ -46,6 +46,7 @@ class ExtractParams:
     device: str = "auto"
     batch_tokens: int = 16384
     writer_threads: int = 4
+    parallel: str = "data"  # "data": rows split between ranks; "tensor": one model sharded over ranks
     progress_every_s: float = 5.0
 
 
@@ -71,7 +72,8 @@ def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict
 
     t0 = time.perf_counter()
     gens = pl.read_parquet(p.generations_path).select("row_id", "input_ids", "loss_mask")
-    model = load_model(Path(p.model_dir), dtype, str(device), base_only=True)
+    tensor = p.parallel == "tensor" and world > 1
+    model = load_model(Path(p.model_dir), dtype, str(device), base_only=True, tensor_parallel=tensor)
     model_load_s = time.perf_counter() - t0
     cfg = model.config
     aux_ids = check_aux_layer_ids(p.aux_layer_ids, cfg.num_hidden_layers)
@@ -88,8 +90,9 @@ def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict
         need = todo_tokens * bytes_per_token(hidden, dtype) + len(todo) * HEADER_BYTES_PER_FILE
         check_free_space(shard_dir, need)
         log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files")
-    # Balanced split: interleave the length-sorted list so every rank gets long and short samples.
-    mine = sorted(todo, key=lambda s: len(s[1]), reverse=True)[rank::world]
+    # Data parallel: interleave the length-sorted list so every rank gets long and short samples.
+    # Tensor parallel: every rank runs every sample (the collectives must match); rank 0 writes.
+    mine = todo if tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[rank::world]
     meta = {
         "format_version": FORMAT_VERSION,
         "target_model": p.target_name,
@@ -116,6 +119,9 @@ def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict
             batch_tokens=p.batch_tokens,
             writer_threads=p.writer_threads,
             metadata=meta,
+            # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
+            lean=False if tensor else None,
+            write=rank == 0 or not tensor,
         )
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -137,7 +143,7 @@ def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict
         raise RuntimeError(f"shard {shard_dir.name}: {len(missing)} sample files missing after extraction, e.g. {missing[:5]}")
     manifest_df = write_manifest(shard_dir, gens["row_id"].to_list())
     extract_s = max(r["extract_s"] for r in ranks)
-    new_tokens = sum(r["tokens"] for r in ranks)
+    new_tokens = ranks[0]["tokens"] if tensor else sum(r["tokens"] for r in ranks)
     samples = len(manifest_df)
     return {
         "path": str(shard_dir),
@@ -154,6 +160,7 @@ def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict
         "aux_layer_ids": aux_ids,
         "dtype": p.dtype,
         "processes": world,
+        "parallel": p.parallel if world > 1 else "none",
         "device": str(device.type),
         "hidden_size": hidden,
     }

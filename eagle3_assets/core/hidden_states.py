@@ -314,6 +314,7 @@ def extract_samples(
     staging_buffers: int = 3,
     lean: bool | None = None,
     fsync: bool = False,
+    write: bool = True,
 ) -> None:
     """Extract and write `samples` (row_id, input_ids, loss_mask) into shard_dir.
 
@@ -323,7 +324,9 @@ def extract_samples(
     forward where the model supports it (`lean_supported`), False forces the
     Hugging Face forward (one sample at a time, hooks). `fsync=True` makes each file
     durable before its rename (the writers then wait on the disk, the forward does not
-    until the staging buffers are all taken).
+    until the staging buffers are all taken). `write=False` runs the same forwards and
+    writes nothing: the other ranks of a tensor-parallel group, whose collectives must
+    match rank 0's.
     """
     shard_dir = Path(shard_dir)
     if not samples:
@@ -357,6 +360,9 @@ def extract_samples(
                 else:
                     aux_b, last_b = forward_batch(base_model, capture, [items[0][1]], device)
                     aux_dev, last_dev = aux_b[0].to(dtype), last_b[0].to(dtype)
+                if not write:
+                    staging.release(slot)
+                    continue
                 host_aux, host_last, ready = staging.stage(slot, aux_dev, last_dev, copy_stream)
                 del aux_dev, last_dev
                 countdown = _Countdown(len(items), lambda slot=slot: staging.release(slot))

@@ -112,13 +112,21 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def load_model(model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "auto", base_only: bool = False):
-    """Load straight into the target dtype and device (no float32 detour)."""
+def load_model(
+    model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "auto", base_only: bool = False,
+    tensor_parallel: bool = False,
+):
+    """Load straight into the target dtype and device (no float32 detour).
+
+    `tensor_parallel` shards the weights over the current torch.distributed group with the
+    model's own transformers tensor-parallel plan (`tp_plan="auto"`)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    dev = pick_device(device)
     cls = AutoModel if base_only else AutoModelForCausalLM
+    if tensor_parallel:
+        return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
+    dev = pick_device(device)
     model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
     return model.eval().to(dev)
 
