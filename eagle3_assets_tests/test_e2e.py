@@ -19,6 +19,7 @@ from dagster import DagsterInstance
 from safetensors import safe_open
 
 from eagle3_assets.cli import history, run_pipeline
+from eagle3_assets.core.export import validate_for_engine
 from eagle3_assets.core.hidden_states import MANIFEST
 from eagle3_assets.core.report import manifests_summary, plot_history, throughput_report
 from eagle3_assets.definitions import build_definitions
@@ -91,6 +92,8 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     ckpt = Path(drafter["path"])
     assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
     assert len(drafter["per_step_accuracy"]) == 7 and drafter["steps"] >= 1
+    for engine, key in (("vllm", "export_vllm"), ("sglang", "export_sglang"), ("vllm", "export_speculators")):
+        assert validate_for_engine(drafter[key], engine, extracted_layer_ids=[2, 15, 27]) == []
     ev = by_asset["drafter_eval"][0]["metadata"]
     assert 1.0 <= ev["tau"] <= 8.0 and ev["prompts_used"] == 2 and ev["matches_greedy"] == 2
     assert any(line.startswith("acceptance length tau:") for line in "\n".join(logs).splitlines())

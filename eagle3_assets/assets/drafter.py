@@ -7,7 +7,8 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from ..core.hidden_states import MANIFEST
 from ..core.target import pick_device, resolve_target
-from ..core.train import TrainConfig, list_samples, plan_epoch, train_drafter
+from ..core.export import export_speculators, validate_for_engine, write_engine_checkpoint
+from ..core.train import TrainConfig, list_samples, load_target_head, plan_epoch, train_drafter
 from ..resources import layout, shards
 from ..settings import Settings
 
@@ -52,6 +53,18 @@ def build(settings: Settings):
             shard_dirs, model_dir, paths.vocab_map, paths.drafter, aux_ids, settings.vocab.draft_vocab_size, cfg,
             log=context.log.info,
         )
+        # One copy per serving engine: each reads the layer ids from a different place and in a
+        # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
+        exports = {e: write_engine_checkpoint(paths.drafter, paths.drafter_export(e), e) for e in ("vllm", "sglang")}
+        embed, _, _ = load_target_head(model_dir)
+        exports["speculators"] = export_speculators(
+            paths.drafter, paths.drafter_export("speculators"), embed, settings.target_model,
+            speculative_tokens=tr.ttt_steps,
+        )
+        for engine, path in (("vllm", exports["vllm"]), ("sglang", exports["sglang"]), ("vllm", exports["speculators"])):
+            problems = validate_for_engine(path, engine, extracted_layer_ids=aux_ids)
+            if problems:
+                raise ValueError(f"drafter export {path} would not load correctly in {engine}: {problems}")
         acc = m["step_accuracy"]
         return MaterializeResult(
             metadata={
@@ -66,6 +79,7 @@ def build(settings: Settings):
                 "aux_layer_ids": MetadataValue.json(aux_ids),
                 "device": cfg.device,
                 "path": MetadataValue.path(str(paths.drafter)),
+                **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()},
             }
         )
 

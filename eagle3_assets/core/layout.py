@@ -28,6 +28,10 @@ class Layout:
     def drafter(self) -> Path:
         return self.root / "drafter"
 
+    def drafter_export(self, engine: str) -> Path:
+        """The drafter as each serving engine reads it: vllm, sglang (official layout), speculators."""
+        return self.root / "drafter_exports" / engine
+
     @property
     def drafter_eval(self) -> Path:
         return self.root / "drafter_eval" / "eval.json"
