@@ -138,3 +138,24 @@ def test_two_gloo_processes_tensor_parallel_match_one_within_float_tolerance(tin
         for key in ("aux_hidden_states", "last_hidden_state"):
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4)
     assert (tmp_path / "tp" / MANIFEST).is_file()
+
+
+def test_a_second_run_of_the_same_shard_refuses_while_the_first_writes(tiny_target, tmp_path):
+    gens = tmp_path / "g.parquet"
+    write_generations(gens, n=160, seed=5)
+    params = ExtractParams(generations_path=str(gens), shard_dir=str(tmp_path / "shard"), model_dir=str(tiny_target),
+                           target_name="tiny", dtype="float32", device="cpu", batch_tokens=1)
+    env = {**os.environ, "EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params))}
+    cmd = [sys.executable, "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not list((tmp_path / "shard").glob("*.safetensors")) and time.time() < deadline:
+        time.sleep(0.01)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out
+    assert second.returncode != 0
+    assert "shard shard is being extracted by another process (pid" in second.stderr
+    files = sorted((tmp_path / "shard").iterdir())
+    assert len([f for f in files if f.suffix == ".safetensors"]) == 160 and (tmp_path / "shard" / MANIFEST).is_file()
+    assert not [f for f in files if f.name.startswith(".")]

@@ -8,9 +8,12 @@ passes it the parameters and a logger, and reports what it returns. Under
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -59,8 +62,42 @@ def _init_distributed(device: torch.device) -> None:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
+class ShardBusyError(RuntimeError):
+    pass
+
+
+@contextmanager
+def shard_lock(shard_dir: Path):
+    """One writer per shard: a second run of the same shard refuses instead of interleaving files.
+    flock is released by the kernel when the holder dies, so a killed job leaves no stale lock."""
+    shard_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = shard_dir.parent / f".{shard_dir.name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ShardBusyError(
+                f"shard {shard_dir.name} is being extracted by another process ({holder}); "
+                "wait for that run to finish or stop it, then rerun"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        yield
+
+
 def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict | None:
     """Extract one shard; returns its metadata on rank 0 (None on other ranks)."""
+    if _dist()[0] != 0:
+        return _run_extraction(p, log)
+    with shard_lock(Path(p.shard_dir)):
+        return _run_extraction(p, log)
+
+
+def _run_extraction(p: ExtractParams, log: Callable[[str], None]) -> dict | None:
     rank, world = _dist()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(p.device)

@@ -293,10 +293,10 @@ class DiskProgress:
         past = [(t, n) for t, n in self.history if now - t <= 10.0]
         t0, n0 = past[0]
         window = (tokens - n0) / (now - t0) if now - t0 > 0.5 else overall
-        eta = (self.total_tokens - tokens) / overall if overall > 0 else float("nan")
+        eta = f"{(self.total_tokens - tokens) / overall:,.0f} s" if overall > 0 else "unknown"
         return (
             f"{done}/{len(self.tokens_by_name)} samples, {tokens:,}/{self.total_tokens:,} tokens, "
-            f"{window:,.0f} tok/s (last 10 s), {overall:,.0f} tok/s overall, ETA {eta:,.0f} s, "
+            f"{window:,.0f} tok/s (last 10 s), {overall:,.0f} tok/s overall, ETA {eta}, "
             f"{nbytes:,} bytes on disk"
         )
 
