@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dagster import Backoff, DynamicPartitionsDefinition, Jitter, PipesSubprocessClient, RetryPolicy
 
 from .core.layout import Layout
@@ -23,3 +25,11 @@ def layout(settings: Settings) -> Layout:
 
 def pipes_client() -> PipesSubprocessClient:
     return PipesSubprocessClient()
+
+
+def launch_command(module: str, nproc: int) -> list[str]:
+    """A job module as one process, or under torchrun as `nproc` processes."""
+    job = ["-m", module]
+    if nproc == 1:
+        return [sys.executable, *job]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job]

@@ -17,6 +17,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .launcher_settings import LauncherSettings
+
 DEMO_SETTINGS = Path(__file__).parent / "defaults" / "demo.yaml"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_PROMPTS = "embedded:sharegpt"
@@ -67,6 +69,8 @@ class TrainingSettings(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     seed: int = 0
     device: str = "auto"
+    nproc: int = Field(1, ge=1)  # >1 launches torchrun: DDP over that many processes
+    save_every: int = Field(50, ge=1)  # steps between saved training states (resume after a kill)
 
 
 class EvalSettings(_Strict):
@@ -89,6 +93,7 @@ class Settings(_Strict):
     vocab: VocabSettings = VocabSettings()
     training: TrainingSettings = TrainingSettings()
     eval: EvalSettings = EvalSettings()
+    launcher: LauncherSettings = LauncherSettings()  # where GPU jobs run: local (default) or Kubernetes
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":

@@ -1,15 +1,17 @@
 """`drafter`: the EAGLE-3 drafter trained with training-time test over all shards."""
 
+import json
 import math
 import random
+from dataclasses import asdict
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from ..core.hidden_states import MANIFEST
 from ..core.target import pick_device, resolve_target
 from ..core.export import export_speculators, validate_for_engine, write_engine_checkpoint
-from ..core.train import TrainConfig, list_samples, load_target_head, plan_epoch, train_drafter
-from ..resources import layout, shards
+from ..core.train import TrainConfig, list_samples, load_target_head, plan_epoch
+from ..resources import GPU_POOL, GPU_RETRY, launch_command, layout, pipes_client, shards
 from ..settings import Settings
 
 CODE_VERSION = "1"
@@ -23,6 +25,8 @@ def build(settings: Settings):
     @asset(
         name="drafter",
         deps=["hidden_states", "vocab_map"],
+        pool=GPU_POOL,
+        retry_policy=GPU_RETRY,
         code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
         description="EAGLE-3 checkpoint (config.json + model.safetensors) that vLLM and SGLang load.",
     )
@@ -45,14 +49,27 @@ def build(settings: Settings):
             seed=tr.seed,
             max_length=settings.max_prompt_tokens + settings.generation.max_new_tokens,
             device=str(pick_device(tr.device)),
+            state_path=str(paths.drafter_state),
+            save_every=tr.save_every,
         )
         batches = len(plan_epoch(list_samples(shard_dirs), cfg.batch_tokens, cfg.max_length, random.Random(0)))
         cfg.max_steps = max(1, math.ceil(tr.epochs * batches))
         context.log.info(f"training {cfg.max_steps} steps ({tr.epochs} epochs of {batches} batches) on {cfg.device}")
-        m = train_drafter(
-            shard_dirs, model_dir, paths.vocab_map, paths.drafter, aux_ids, settings.vocab.draft_vocab_size, cfg,
-            log=context.log.info,
-        )
+        params = {
+            "shard_dirs": [str(d) for d in shard_dirs],
+            "target_model_dir": str(model_dir),
+            "vocab_map_path": str(paths.vocab_map),
+            "out_dir": str(paths.drafter),
+            "aux_layer_ids": aux_ids,
+            "draft_vocab_size": settings.vocab.draft_vocab_size,
+            "cfg": asdict(cfg),
+        }
+        trained = pipes_client().run(
+            command=launch_command("eagle3_assets.jobs.train_drafter", tr.nproc),
+            context=context,
+            env={"EAGLE3_TRAIN_PARAMS": json.dumps(params)},
+        ).get_materialize_result()
+
         # One copy per serving engine: each reads the layer ids from a different place and in a
         # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
         exports = {e: write_engine_checkpoint(paths.drafter, paths.drafter_export(e), e) for e in ("vllm", "sglang")}
@@ -65,22 +82,8 @@ def build(settings: Settings):
             problems = validate_for_engine(path, engine, extracted_layer_ids=aux_ids)
             if problems:
                 raise ValueError(f"drafter export {path} would not load correctly in {engine}: {problems}")
-        acc = m["step_accuracy"]
         return MaterializeResult(
-            metadata={
-                "steps": m["steps"],
-                "tokens_seen": m["tokens_seen"],
-                "final_loss": round(m["final_loss"], 5),
-                **{f"accuracy_step_{k}": round(a, 5) for k, a in enumerate(acc)},
-                "per_step_accuracy": MetadataValue.json([round(a, 5) for a in acc]),
-                "loss_history": MetadataValue.json([round(x, 5) for x in m["loss_history"]]),
-                "train_s": round(m["train_s"], 2),
-                "tokens_per_s": round(m["tokens_per_s"], 1),
-                "aux_layer_ids": MetadataValue.json(aux_ids),
-                "device": cfg.device,
-                "path": MetadataValue.path(str(paths.drafter)),
-                **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()},
-            }
+            metadata={**trained.metadata, **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()}}
         )
 
     return drafter

@@ -1,13 +1,11 @@
 """`generations[shard]`: the target's own answers, as token ids + loss mask."""
 
-import time
-
 import polars as pl
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from ..core.generate import generate_shard
+from ..core.engines import generate
 from ..core.shards import shard_range
-from ..core.target import load_model, load_tokenizer, resolve_target
+from ..core.target import resolve_target
 from ..resources import GPU_POOL, GPU_RETRY, layout, shards
 from ..settings import Settings
 
@@ -36,27 +34,10 @@ def build(settings: Settings):
                 f"shard {context.partition_key} expects rows {start}..{end - 1} but prompts has {len(rows)} of them; "
                 "materialize `prompts` again"
             )
-        if gen.engine != "transformers":
-            raise NotImplementedError(f"generation engine {gen.engine!r} is not available yet; use transformers")
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
-        t0 = time.perf_counter()
-        model = load_model(model_dir, gen.dtype, gen.device)
-        tok = load_tokenizer(model_dir)
-        load_s = time.perf_counter() - t0
         out = paths.generations(context.partition_key)
-        result = generate_shard(
-            model,
-            tok,
-            rows,
-            out,
-            batch_size=gen.batch_size,
-            max_new_tokens=gen.max_new_tokens,
-            do_sample=gen.do_sample,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            seed=gen.seed,
-            log=context.log.info,
-        )
+        run = generate(gen, model_dir, rows, out, log=context.log.info)
+        result = run.result
         return MaterializeResult(
             metadata={
                 "samples": result.samples,
@@ -65,9 +46,9 @@ def build(settings: Settings):
                 "answer_tokens": result.answer_tokens,
                 "tokens_per_s": round(result.tokens_per_s, 2),
                 "generate_s": round(result.generate_s, 3),
-                "model_load_s": round(load_s, 3),
-                "engine": gen.engine,
-                "device": str(next(model.parameters()).device),
+                "model_load_s": round(run.model_load_s, 3),
+                "engine": run.engine,
+                "device": run.device,
                 "path": MetadataValue.path(str(out)),
             }
         )

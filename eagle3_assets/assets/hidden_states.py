@@ -5,25 +5,18 @@ Pipes; rank 0 streams progress to the run log and reports the shard's metadata.
 """
 
 import json
-import sys
 from dataclasses import asdict
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
 
 from ..core.extract_job import ExtractParams
 from ..core.target import resolve_target
-from ..resources import GPU_POOL, GPU_RETRY, layout, pipes_client, shards
+from ..launchers import launch_spec, pipes_client_for
+from ..resources import GPU_POOL, GPU_RETRY, layout, shards
 from ..settings import Settings
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")
-
-
-def launch_command(nproc: int) -> list[str]:
-    job = ["-m", "eagle3_assets.jobs.extract_hidden_states"]
-    if nproc == 1:
-        return [sys.executable, *job]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job]
 
 
 def build(settings: Settings):
@@ -56,10 +49,9 @@ def build(settings: Settings):
             writer_threads=ex.writer_threads,
             parallel=ex.parallel,
         )
-        return pipes_client().run(
-            command=launch_command(ex.nproc),
-            context=context,
-            env={"EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params))},
+        # Local subprocess / torchrun by default; one pod per shard with launcher.kind: kubernetes.
+        return pipes_client_for(settings).run(
+            context=context, **launch_spec(settings, shard, json.dumps(asdict(params)))
         ).get_materialize_result()
 
     return hidden_states

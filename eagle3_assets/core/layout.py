@@ -28,6 +28,11 @@ class Layout:
     def drafter(self) -> Path:
         return self.root / "drafter"
 
+    @property
+    def drafter_state(self) -> Path:
+        """Training state for resuming a killed training run (deleted when training finishes)."""
+        return self.root / "drafter_state" / "train_state.pt"
+
     def drafter_export(self, engine: str) -> Path:
         """The drafter as each serving engine reads it: vllm, sglang (official layout), speculators."""
         return self.root / "drafter_exports" / engine

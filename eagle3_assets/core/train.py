@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections import deque
@@ -51,6 +52,10 @@ class TrainConfig:
     # Keep every sample in memory (on `device`) after one read, instead of reading each batch
     # from disk: on a GPU with room for the shards this removes the per-step file reads.
     preload: bool = False
+    # Resumable training: the full state (weights, optimizer, step, history) is saved to
+    # `state_path` every `save_every` steps; a run that finds a matching state resumes from it.
+    state_path: str | None = None
+    save_every: int = 50
     # Stop after this many seconds of training even if max_steps is not reached; the LR schedule
     # then follows the larger of the step and time fractions, so it still ends fully decayed.
     time_budget_s: float | None = None
@@ -137,13 +142,21 @@ def load_batch(batch: list[SampleRef], max_length: int) -> dict[str, torch.Tenso
     }
 
 
-def batches_forever(refs, cfg: TrainConfig, cache: dict | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def batches_forever(
+    refs, cfg: TrainConfig, cache: dict | None = None, start_step: int = 0, rank: int = 0, world: int = 1
+) -> Iterator[dict[str, torch.Tensor]]:
     """Endless batches, epoch after epoch. With `cache` (see `preload_samples`) batches are
-    padded from the in-memory samples; the plan is the same as from disk."""
+    padded from the in-memory samples; the plan is the same as from disk.
+
+    One plan for all ranks: step s of rank r is batch s * world + r, so DDP ranks see different
+    batches, and a resumed run skips the batches it already trained on (planning reads no file)."""
     rng = random.Random(cfg.seed)
+    index = 0
     while True:
         for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng):
-            yield load_batch(batch, cfg.max_length) if cache is None else _batch_from_cache(batch, cache)
+            if index >= start_step * world and index % world == rank:
+                yield load_batch(batch, cfg.max_length) if cache is None else _batch_from_cache(batch, cache)
+            index += 1
 
 
 def preload_samples(refs: list[SampleRef], max_length: int, device: torch.device) -> dict:
@@ -304,7 +317,15 @@ def train_drafter(
     from transformers import AutoConfig
 
     torch.manual_seed(cfg.seed)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(cfg.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if rank != 0:
+        log = lambda msg: None  # noqa: E731 (rank 0 reports for all)
     use_bf16 = device.type == "cuda"
 
     # -- model -------------------------------------------------------------------------------
@@ -331,15 +352,26 @@ def train_drafter(
         preload_s = time.perf_counter() - t_pre
         log(f"train: preloaded {len(cache)} samples onto {device} in {preload_s:.1f} s")
 
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    data = batches_forever(refs, cfg, cache)
     loss_history, tokens_seen = [], 0
     curve: list[dict] = []  # the logged points: step, time, loss, per-step accuracy
     window: deque[list[tuple[int, int]]] = deque(maxlen=cfg.acc_window)
+    start_step = 0
+    fingerprint = _state_fingerprint(refs, cfg, draft_vocab_size, aux_layer_ids, world)
+    state = _load_state(cfg.state_path, fingerprint, device)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+        loss_history, curve = state["loss_history"], state["curve"]
+        torch.set_rng_state(state["rng"])
+        log(f"train: resumed from {cfg.state_path} at step {start_step} of {cfg.max_steps}")
+    data = batches_forever(refs, cfg, cache, start_step, rank, world)
     t0 = time.perf_counter()
-    steps_done = 0
+    steps_done = start_step
 
-    for step in range(cfg.max_steps):
+    for step in range(start_step, cfg.max_steps):
         elapsed = time.perf_counter() - t0
         time_fraction = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
         if time_fraction >= 1.0:
@@ -353,7 +385,7 @@ def train_drafter(
         # The target's distribution, from its stored final hidden state: lm_head(last).
         target_p, target_in_draft = target_distribution(batch["last_hidden_state"], target_head, t2d)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            step_logits = model.ttt_forward(
+            step_logits = ddp(
                 batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.steps_ttt
             )
         loss, step_losses, tallies = ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
@@ -363,7 +395,7 @@ def train_drafter(
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
 
-        tokens_seen += int(batch["lengths"].sum())
+        tokens_seen += _sum_over_ranks(int(batch["lengths"].sum()), world, device)
         loss_history.append(loss.item())
         window.append(tallies)
         steps_done = step + 1
@@ -376,14 +408,21 @@ def train_drafter(
             log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
                 f"acc {' '.join(f'{a:.2f}' for a in acc)} | lr {lr:.2e} | grad {float(grad_norm):.2f} | "
                 f"{tokens_seen / elapsed:,.0f} tok/s")
+        if cfg.state_path and rank == 0 and (steps_done % cfg.save_every == 0) and steps_done < cfg.max_steps:
+            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve)
 
     train_s = time.perf_counter() - t0
     step_accuracy = [
         sum(t[k][0] for t in window) / max(1, sum(t[k][1] for t in window)) for k in range(cfg.steps_ttt)
     ]
     out_dir = Path(out_dir)
-    save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
-    log(f"train: saved drafter to {out_dir} after {steps_done} steps, {train_s:.1f} s")
+    if rank == 0:
+        save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
+        log(f"train: saved drafter to {out_dir} after {steps_done} steps, {train_s:.1f} s")
+        if cfg.state_path:
+            Path(cfg.state_path).unlink(missing_ok=True)  # finished: a rerun trains afresh
+    if world > 1:
+        torch.distributed.barrier()
     return {
         "steps": steps_done,
         "curve": curve,
@@ -396,4 +435,46 @@ def train_drafter(
         "train_s": train_s,
         "tokens_per_s": tokens_seen / train_s if train_s > 0 else 0.0,
         "samples": len(refs),
+        "resumed_from_step": state["step"] if state is not None else 0,
+        "processes": world,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Resumable state and DDP helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _state_fingerprint(refs, cfg: TrainConfig, draft_vocab_size: int, aux_layer_ids, world: int) -> str:
+    """What a saved state was trained on; a state for other data or settings is not resumed."""
+    import hashlib
+
+    keys = {k: v for k, v in vars(cfg).items() if k not in ("log_every", "state_path", "save_every", "time_budget_s")}
+    blob = json.dumps([str(r.path) for r in refs] + [r.tokens for r in refs] + [keys, draft_vocab_size,
+                      list(aux_layer_ids), world], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _save_state(path, fingerprint, model, optimizer, step, tokens_seen, loss_history, curve) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": step, "tokens_seen": tokens_seen, "loss_history": loss_history, "curve": curve,
+                "rng": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)  # a killed save leaves the previous state intact
+
+
+def _load_state(path, fingerprint, device):
+    if not path or not Path(path).is_file():
+        return None
+    state = torch.load(path, map_location=device, weights_only=False)
+    return state if state.get("fingerprint") == fingerprint else None
+
+
+def _sum_over_ranks(value: int, world: int, device) -> int:
+    if world == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(t)
+    return int(t.item())

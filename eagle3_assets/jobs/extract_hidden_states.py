@@ -17,13 +17,23 @@ from dagster_pipes import open_dagster_pipes
 from ..core.extract_job import ExtractParams, run_extraction
 
 
+def both(pipes):
+    """Log to the Dagster run (through Pipes) and to stderr (the job's own log, also outside Dagster)."""
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+        pipes.log.info(msg)
+
+    return log
+
+
 def main() -> None:
     params = ExtractParams(**json.loads(os.environ["EAGLE3_EXTRACT_PARAMS"]))
     if int(os.environ.get("RANK", 0)) != 0:
         run_extraction(params, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         return
     with open_dagster_pipes() as pipes:
-        metadata = run_extraction(params, log=pipes.log.info)
+        metadata = run_extraction(params, log=both(pipes))
         pipes.report_asset_materialization(metadata=pipes_metadata(metadata))
 
 

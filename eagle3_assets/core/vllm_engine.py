@@ -1,0 +1,195 @@
+"""The target answers its prompts through vLLM's offline `LLM` engine.
+
+Same contract as the transformers engine (`core/generate.py`): our code applies the
+chat template (`template_ids`) and hands vLLM the prompt token ids, so both engines
+see identical prompts; each row stores prompt + answer token ids with a loss mask
+on the answer, in the same Parquet schema (`GENERATION_SCHEMA`).
+
+vLLM is imported inside the functions: it pulls a CUDA build of torch and is an
+optional extra (`pip install eagle3-assets[vllm]`).
+
+The mapping onto vLLM's API (`vllm.LLM`, `vllm.SamplingParams`, `LLM.generate`,
+`RequestOutput.outputs[0].token_ids / finish_reason`):
+
+- greedy is `temperature=0` (vLLM: "Zero means greedy sampling"); sampling passes
+  `temperature` and `top_p`;
+- every request gets its own `seed = settings seed + row_id`, so a row's answer does
+  not depend on which shard or batch it landed in;
+- `stop_token_ids` are the target's EOS ids (generation config + tokenizer), as the
+  transformers engine stops on them; vLLM keeps a stop token in `token_ids`
+  (`check_stop` appends before it stops), and the row keeps it too: the drafter
+  learns to stop;
+- `finish_reason` is "stop" (EOS / stop token) or "length" (`max_tokens` or the
+  model's context length). vLLM checks the length cap before the stop tokens, so an
+  answer whose last allowed token is EOS reports "length"; `finished` is therefore
+  read from the tokens, exactly as the transformers engine does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import polars as pl
+
+from .files import atomic_write_parquet
+from .generate import GENERATION_SCHEMA, GenerationResult, template_ids
+
+
+# --- shared row building (the transformers engine builds the same dicts inline) -----------------
+
+
+def cut_at_eos(generated: list[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """The answer up to and including the first EOS, and whether there was one."""
+    eos = set(eos_ids)
+    for i, t in enumerate(generated):
+        if t in eos:
+            return list(generated[: i + 1]), True
+    return list(generated), False
+
+
+def generation_row(row_id: int, prompt_ids: list[int], answer: list[int], finished: bool) -> dict:
+    """One row of the generations Parquet (GENERATION_SCHEMA)."""
+    return {
+        "row_id": int(row_id),
+        "input_ids": list(prompt_ids) + list(answer),
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
+        "prompt_tokens": len(prompt_ids),
+        "answer_tokens": len(answer),
+        "finished": bool(finished),
+    }
+
+
+def write_generations(rows: list[dict], out_path: Path, generate_s: float) -> GenerationResult:
+    """Write the rows (sorted by row_id) atomically; return the shard's totals."""
+    df = pl.DataFrame(rows, schema=GENERATION_SCHEMA).sort("row_id")
+    atomic_write_parquet(df, Path(out_path))
+    return GenerationResult(
+        samples=len(rows),
+        prompt_tokens=int(df["prompt_tokens"].sum()) if len(rows) else 0,
+        answer_tokens=int(df["answer_tokens"].sum()) if len(rows) else 0,
+        generate_s=generate_s,
+    )
+
+
+# --- vLLM ---------------------------------------------------------------------------------------
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
+    """EOS ids as the transformers engine uses them: the generation config's, then the tokenizer's."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        from transformers import AutoConfig
+
+        eos = getattr(AutoConfig.from_pretrained(str(model_dir)), "eos_token_id", None)
+    for t in eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []:
+        if int(t) not in ids:
+            ids.append(int(t))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError(f"target {model_dir} defines no EOS token: generation would never stop")
+    return ids
+
+
+def load_vllm(model_dir: Path, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0):
+    """vLLM's offline engine over the target folder (weights and tokenizer from the same place)."""
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise ImportError(
+            "generation.engine is 'vllm' but vLLM is not installed: pip install 'eagle3-assets[vllm]' "
+            "(it needs a CUDA build of torch), or set generation.engine: transformers"
+        ) from e
+    return LLM(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype,
+        seed=seed,
+    )
+
+
+def sampling_params(
+    *, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, seed: int, eos_ids: list[int]
+):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        max_tokens=max_new_tokens,
+        temperature=temperature if do_sample else 0.0,
+        top_p=top_p if do_sample else 1.0,
+        seed=seed,
+        stop_token_ids=list(eos_ids),
+        detokenize=False,  # we keep token ids only
+    )
+
+
+def generate_shard_vllm(
+    model_dir: Path,
+    tokenizer,
+    prompts: pl.DataFrame,
+    out_path: Path,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    llm=None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> GenerationResult:
+    """Answer `prompts` (row_id, system, prompt) with vLLM and write the generations Parquet.
+
+    `llm` is an already loaded `vllm.LLM` (see `load_vllm`); without it one is loaded here.
+    """
+    if llm is None:
+        t0 = time.perf_counter()
+        llm = load_vllm(model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed)
+        log(f"vLLM loaded {model_dir} in {time.perf_counter() - t0:.1f} s (tensor parallel {tensor_parallel_size})")
+    eos_ids = eos_token_ids(Path(model_dir), tokenizer)
+    encoded = [
+        (int(row["row_id"]), template_ids(tokenizer, row["system"], row["prompt"]))
+        for row in prompts.iter_rows(named=True)
+    ]
+    requests = [{"prompt_token_ids": ids} for _, ids in encoded]  # vllm.inputs.TokensPrompt is this TypedDict
+    params = [
+        sampling_params(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + row_id,
+            eos_ids=eos_ids,
+        )
+        for row_id, _ in encoded
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False) if requests else []
+    elapsed = time.perf_counter() - start
+    if len(outputs) != len(encoded):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(encoded)} prompts")
+    rows = []
+    for (row_id, ids), out in zip(encoded, outputs):
+        if list(out.prompt_token_ids) != ids:  # LLM.generate returns outputs in input order
+            raise RuntimeError(f"vLLM output for row {row_id} answers a different prompt")
+        completion = out.outputs[0]
+        answer, finished = cut_at_eos(list(completion.token_ids), eos_ids)
+        stop = getattr(completion, "stop_reason", None)
+        if not finished and completion.finish_reason == "stop" and isinstance(stop, int) and stop in eos_ids:
+            # A stop token that the engine left out of token_ids: keep it, the drafter learns to stop.
+            answer, finished = answer + [stop], True
+        rows.append(generation_row(row_id, ids, answer, finished))
+    result = write_generations(rows, out_path, elapsed)
+    log(f"generated {result.samples} samples, {result.answer_tokens} answer tokens with vLLM in {elapsed:.1f} s")
+    return result

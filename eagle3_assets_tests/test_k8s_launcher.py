@@ -1,0 +1,230 @@
+"""The Kubernetes launcher of the extraction job, and the infra files that go with it.
+
+No cluster here: the pod the launcher builds is passed through dagster-k8s's own
+`build_pod_body` (what `PipesK8sClient.run` sends to the API server) and validated against the
+Kubernetes OpenAPI schema with `kubernetes-validate` (strict: unknown keys are errors). The
+Helm values are checked for what they claim against the key names of the official chart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import kubernetes
+import kubernetes_validate
+import pytest
+import yaml
+from dagster import PipesSubprocessClient
+from dagster_k8s import PipesK8sClient
+from dagster_k8s.pipes import build_pod_body
+from pydantic import ValidationError
+
+from eagle3_assets import launchers
+from eagle3_assets.launcher_settings import KubernetesSettings, LauncherSettings
+from eagle3_assets.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S_VERSION = "1.33.0"
+SHARD = "rows_00000-02000"
+
+
+class SettingsWithLauncher(Settings):
+    """`Settings` with the `launcher:` section, as settings.py declares it once the field is added."""
+
+    launcher: LauncherSettings = LauncherSettings()
+
+
+def k8s_settings(**kubernetes_section) -> SettingsWithLauncher:
+    return SettingsWithLauncher(
+        storage_root="/data/eagle3",
+        extraction={"nproc": 8},
+        launcher={"kind": "kubernetes", "kubernetes": kubernetes_section},
+    )
+
+
+def params_json(root: str = "/data") -> str:
+    return json.dumps(
+        {
+            "generations_path": f"{root}/eagle3/generations/{SHARD}.parquet",
+            "shard_dir": f"{root}/eagle3/hidden_states/{SHARD}",
+            "model_dir": f"{root}/models/Llama-3.1-8B-Instruct",
+            "target_name": f"{root}/models/Llama-3.1-8B-Instruct",
+            "aux_layer_ids": None,
+            "dtype": "bfloat16",
+            "device": "auto",
+            "batch_tokens": 16384,
+            "writer_threads": 4,
+            "parallel": "data",
+            "progress_every_s": 5.0,
+        }
+    )
+
+
+def pod_as_sent(spec_kwargs: dict) -> dict:
+    """The pod `PipesK8sClient.run` creates from these kwargs (Pipes bootstrap env included), as JSON."""
+    pod = build_pod_body(
+        pod_name="dagster-0123456789abcdef01-hidden-states-0123456789",
+        image=spec_kwargs["image"],
+        command=None,
+        env_vars={"DAGSTER_PIPES_CONTEXT": "ctx", "DAGSTER_PIPES_MESSAGES": "msgs"},
+        base_pod_meta=spec_kwargs["base_pod_meta"],
+        base_pod_spec=spec_kwargs["base_pod_spec"],
+    )
+    return kubernetes.client.ApiClient().sanitize_for_serialization(pod) | {"apiVersion": "v1", "kind": "Pod"}
+
+
+def validate(obj: dict) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_local_launcher_is_the_default():
+    s = SettingsWithLauncher(extraction={"nproc": 2})
+    assert isinstance(launchers.pipes_client_for(s), PipesSubprocessClient)
+    assert isinstance(launchers.pipes_client_for(Settings()), PipesSubprocessClient)  # settings without the section
+    spec = launchers.launch_spec(s, SHARD, "{}")
+    assert spec["env"] == {"EAGLE3_EXTRACT_PARAMS": "{}"}
+    assert spec["command"][-4:] == ["--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    inspect.signature(PipesSubprocessClient.run).bind(PipesSubprocessClient(), context=None, **spec)
+
+
+def test_kubernetes_launcher_is_chosen_from_the_settings():
+    s = k8s_settings(poll_interval_s=3.0, kube_context="gpu-cluster")
+    client = launchers.pipes_client_for(s)
+    assert isinstance(client, PipesK8sClient)
+    assert client.poll_interval == 3.0 and client.kube_context == "gpu-cluster"
+    spec = launchers.launch_spec(s, SHARD, params_json())
+    # every key is a parameter of the installed PipesK8sClient.run
+    inspect.signature(PipesK8sClient.run).bind(client, context=None, **spec)
+    assert spec["image"] == "eagle3-assets:latest" and spec["pod_wait_timeout"] == 24 * 3600
+
+
+def test_pod_spec_validates_against_the_kubernetes_schema():
+    s = k8s_settings(
+        image="registry.example.com/eagle3-assets:0.1.0",
+        namespace="eagle3",
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+        service_account="eagle3-runs",
+        env={"HF_HUB_OFFLINE": "1"},
+        resources={"cpu": "96", "memory": "1024Gi"},
+    )
+    spec = launchers.launch_spec(s, SHARD, params_json())
+    pod = pod_as_sent(spec)
+    validate(pod)
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == [
+        "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "eagle3_assets.jobs.extract_hidden_states"
+    ]
+    env = [e["name"] for e in c["env"]]
+    assert len(env) == len(set(env))  # the client appends its Pipes env; nothing is set twice
+    assert {"EAGLE3_EXTRACT_PARAMS", "DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES", "HF_HUB_OFFLINE"} <= set(env)
+    assert json.loads(next(e["value"] for e in c["env"] if e["name"] == "EAGLE3_EXTRACT_PARAMS")) == json.loads(params_json())
+    assert c["resources"]["limits"] == {"cpu": "96", "memory": "1024Gi", "nvidia.com/gpu": "8"}
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["spec"]["serviceAccountName"] == "eagle3-runs"
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm"}
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {m["name"] for m in c["volumeMounts"]}
+    assert pod["metadata"]["labels"]["eagle3.dev/shard"] == SHARD
+
+
+def test_one_gpu_pod_runs_python_and_gpu_count_follows_the_settings():
+    s = k8s_settings(gpus_per_pod=1, shm_size=None, volumes=[], volume_mounts=[{"name": "x", "mountPath": "/data"}])
+    spec = launchers.build_pod_spec(s, SHARD, params_json())
+    c = spec["containers"][0]
+    assert c["command"] == ["python", "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "volumes" not in spec
+
+
+def test_the_validator_is_a_real_one():
+    """A pod with a snake_case key or a wrong type is refused: the schema check is not vacuous."""
+    good = pod_as_sent(launchers.launch_spec(k8s_settings(), SHARD, params_json()))
+    validate(good)
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["containers"][0]["volume_mounts"] = bad["spec"]["containers"][0].pop("volumeMounts")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(bad)
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["tolerations"] = {"key": "nvidia.com/gpu"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(bad)
+
+
+def test_paths_off_the_shared_volume_are_refused():
+    with pytest.raises(ValueError, match="shard_dir /scratch/eagle3/hidden_states"):
+        launchers.launch_spec(
+            k8s_settings(),
+            SHARD,
+            json.dumps({"generations_path": "/data/g.parquet", "shard_dir": f"/scratch/eagle3/hidden_states/{SHARD}"}),
+        )
+
+
+def test_launcher_settings_are_strict():
+    with pytest.raises(ValidationError):
+        LauncherSettings(kind="slurm")
+    with pytest.raises(ValidationError):
+        KubernetesSettings(gpus=8)  # the key is gpus_per_pod
+    assert LauncherSettings().kind == "local"
+
+
+def test_pod_template_is_what_the_launcher_builds():
+    doc = yaml.safe_load((ROOT / "infra/k8s/pod-template.yaml").read_text())
+    validate(doc)
+    params = next(e["value"] for e in doc["spec"]["containers"][0]["env"] if e["name"] == "EAGLE3_EXTRACT_PARAMS")
+    s = k8s_settings()
+    assert doc["spec"] == launchers.build_pod_spec(s, SHARD, params)
+    assert doc["metadata"]["labels"] == launchers.build_pod_meta(s, SHARD)["labels"]
+
+
+@pytest.fixture(scope="module")
+def helm_values() -> dict:
+    return yaml.safe_load((ROOT / "infra/helm/values.yaml").read_text())
+
+
+def test_helm_values_set_what_they_claim(helm_values):
+    v = helm_values
+    assert v["postgresql"]["enabled"] is True and v["postgresql"]["postgresqlDatabase"]
+    (dep,) = v["dagster-user-deployments"]["deployments"]
+    assert v["dagster-user-deployments"]["enabled"] and dep["image"]["repository"].endswith("/eagle3-assets")
+    assert dep["image"]["tag"] and dep["image"]["tag"] != "latest"
+    assert dep["codeServerArgs"] == ["-m", "eagle3_assets.definitions"]
+    assert (ROOT / "eagle3_assets/definitions.py").is_file()
+    assert dep["includeConfigInLaunchedRuns"] == {"enabled": True}
+    assert v["runLauncher"]["type"] == "K8sRunLauncher"
+    daemon = v["dagsterDaemon"]
+    assert daemon["enabled"] and daemon["runCoordinator"] == {
+        "enabled": True,
+        "type": "QueuedRunCoordinator",
+        "config": {"queuedRunCoordinator": {}},
+    }
+    assert v["concurrency"]["enabled"] is True
+    assert v["concurrency"]["pools"]["granularity"] == "run"
+    assert isinstance(v["concurrency"]["pools"]["defaultLimit"], int) and v["concurrency"]["pools"]["defaultLimit"] >= 1
+    assert daemon["runRetries"] == {"enabled": True, "maxRetries": 1, "retryOnAssetOrOpFailure": False}
+    assert daemon["runMonitoring"]["enabled"] and daemon["runMonitoring"]["freeSlotsAfterRunEndSeconds"] == 30
+
+
+def test_helm_kubernetes_fragments_validate(helm_values):
+    """The user deployment's volumes, mounts and resources, and the run pods' config, are valid pod parts."""
+    (dep,) = helm_values["dagster-user-deployments"]["deployments"]
+    run = helm_values["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "helm-fragments"},
+        "spec": {
+            **run["podSpecConfig"],
+            "volumes": dep["volumes"],
+            "containers": [
+                {"name": "code", "image": "x", "volumeMounts": dep["volumeMounts"], "resources": dep["resources"]},
+                {"name": "run", "image": "x", **run["containerConfig"]},
+            ],
+        },
+    }
+    validate(pod)
+    # the user deployment mounts the shared volume where the GPU pods do
+    assert {"name": "eagle3-data", "mountPath": "/data"} in dep["volumeMounts"]
+    assert KubernetesSettings().volume_mounts == [{"name": "eagle3-data", "mountPath": "/data"}]

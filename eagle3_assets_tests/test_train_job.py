@@ -1,0 +1,78 @@
+"""The training job as the `drafter` asset launches it: killed and resumed, and DDP over 2 gloo ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.core.drafter import load_checkpoint
+from eagle3_assets.core.train import TrainConfig
+from eagle3_assets.core.vocab import build_vocab_map, count_tokens, save_vocab_map
+
+from .tiny import write_hidden_state_shard
+
+
+def setup(tiny_target: Path, tmp_path: Path) -> dict:
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(24):
+        t = int(torch.randint(10, 40, (1,), generator=g))
+        ids = torch.randint(5, 256, (t,), generator=g).tolist()
+        samples.append((ids, [0] * 4 + [1] * (t - 4)))
+    shard = write_hidden_state_shard(tiny_target, tmp_path / "shard", samples, aux_layer_ids=[2, 3, 3 + 1])
+    d2t, t2d = build_vocab_map(count_tokens(samples, 256), 64)
+    save_vocab_map(tmp_path / "vocab.safetensors", d2t, t2d, {})
+    return {
+        "shard_dirs": [str(shard)], "target_model_dir": str(tiny_target),
+        "vocab_map_path": str(tmp_path / "vocab.safetensors"), "out_dir": str(tmp_path / "drafter"),
+        "aux_layer_ids": [2, 3, 4], "draft_vocab_size": 64,
+    }
+
+
+def job(params: dict, cfg: TrainConfig, nproc: int = 1, **popen) -> subprocess.Popen:
+    env = {**os.environ, "EAGLE3_TRAIN_PARAMS": json.dumps({**params, "cfg": asdict(cfg)}), "OMP_NUM_THREADS": "1"}
+    mod = ["-m", "eagle3_assets.jobs.train_drafter"]
+    cmd = [sys.executable, *mod] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *mod]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def test_killed_training_resumes_from_its_last_state(tiny_target, tmp_path):
+    params = setup(tiny_target, tmp_path)
+    state = tmp_path / "state" / "train_state.pt"
+    cfg = TrainConfig(max_steps=400, batch_tokens=128, warmup_steps=2, lr=1e-3, state_path=str(state),
+                      save_every=10, log_every=10, steps_ttt=3)
+    first = job(params, cfg, start_new_session=True)
+    deadline = time.time() + 180
+    while not state.exists() and time.time() < deadline and first.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    saved = torch.load(state, weights_only=False)["step"]
+    assert 10 <= saved < 400, "the state must come from the middle of the run"
+    assert not (tmp_path / "drafter" / "model.safetensors").exists()
+
+    second = job(params, cfg)
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out
+    assert f"resumed from {state} at step {saved} of 400" in out
+    assert not state.exists()  # finished: the next run starts afresh
+    model = load_checkpoint(tmp_path / "drafter", torch.zeros(256, 64))
+    assert model.config.draft_vocab_size == 64
+
+
+def test_ddp_over_two_gloo_ranks_trains_and_saves_one_checkpoint(tiny_target, tmp_path):
+    params = setup(tiny_target, tmp_path)
+    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, steps_ttt=2, log_every=1)
+    p = job(params, cfg, nproc=2)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    assert "saved drafter" in out
