@@ -33,7 +33,7 @@ from .hidden_states import (
     write_manifest,
 )
 from .files import bytes_on_disk
-from .target import DTYPES, check_aux_layer_ids, load_model, pick_device
+from .target import DTYPES, check_aux_layer_ids, load_model, pick_device, resolve_target
 
 HEADER_BYTES_PER_FILE = 1024  # safetensors JSON header + alignment, a generous bound for the space check
 
@@ -110,7 +110,8 @@ def _run_extraction(p: ExtractParams, log: Callable[[str], None]) -> dict | None
     t0 = time.perf_counter()
     gens = pl.read_parquet(p.generations_path).select("row_id", "input_ids", "loss_mask")
     tensor = p.parallel == "tensor" and world > 1
-    model = load_model(Path(p.model_dir), dtype, str(device), base_only=True, tensor_parallel=tensor)
+    model_dir = resolve_target(p.model_dir)  # a clear error for a missing or incomplete model folder
+    model = load_model(model_dir, dtype, str(device), base_only=True, tensor_parallel=tensor)
     model_load_s = time.perf_counter() - t0
     cfg = model.config
     aux_ids = check_aux_layer_ids(p.aux_layer_ids, cfg.num_hidden_layers)

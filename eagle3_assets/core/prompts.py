@@ -168,11 +168,18 @@ def read_prompts(
     path = resolve_source(source)
     dropped: Counter[str] = Counter()
     seen: set[tuple[str | None, str]] = set()
+    seen_ids: set[str] = set()
     rows: list[dict] = []
     total = 0
     for index, record in _records(path, embedded=source == EMBEDDED_PROMPTS):
         total += 1
         system, prompt = _first_user_turn(_turns(path, index, record))
+        record_id = record.get("id") if isinstance(record, dict) else None
+        if record_id is not None:
+            if str(record_id) in seen_ids:  # a record repeated under the same id: keep the first
+                dropped["duplicate_id"] += 1
+                continue
+            seen_ids.add(str(record_id))
         if prompt is not None and not isinstance(prompt, str):
             raise PromptFileError(f"{path}: record {index}: the user turn is a {type(prompt).__name__}, expected text")
         if system is not None and not isinstance(system, str):
