@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import polars as pl
 import torch
@@ -72,7 +73,7 @@ def generate_shard(
     ]
     # Similar lengths in a batch waste less compute on padding.
     order = sorted(encoded, key=lambda r: len(r[1]))
-    rows, answer_total, prompt_total = [], 0, 0
+    rows, answer_total = [], 0
     torch.manual_seed(seed + (int(prompts["row_id"].min()) if len(prompts) else 0))
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
@@ -94,24 +95,11 @@ def generate_shard(
                 eos_token_id=eos_ids,
             )
         for (row_id, ids), gen in zip(batch, out[:, width:].tolist()):
-            answer, finished = _cut_at_eos(gen, eos_ids)
-            rows.append(
-                {
-                    "row_id": row_id,
-                    "input_ids": ids + answer,
-                    "loss_mask": [0] * len(ids) + [1] * len(answer),
-                    "prompt_tokens": len(ids),
-                    "answer_tokens": len(answer),
-                    "finished": finished,
-                }
-            )
+            answer, finished = cut_at_eos(gen, eos_ids)
+            rows.append(generation_row(row_id, ids, answer, finished))
             answer_total += len(answer)
-            prompt_total += len(ids)
         log(f"generated {len(rows)}/{len(order)} samples, {answer_total} answer tokens")
-    elapsed = time.perf_counter() - start
-    df = pl.DataFrame(rows, schema=GENERATION_SCHEMA).sort("row_id")
-    atomic_write_parquet(df, out_path)
-    return GenerationResult(len(rows), prompt_total, answer_total, elapsed)
+    return write_generations(rows, out_path, time.perf_counter() - start)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -122,11 +110,37 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def _cut_at_eos(gen: list[int], eos_ids: list[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(gen):
-        if t in eos_ids:
-            return gen[: i + 1], True  # the EOS is part of the answer: the drafter learns to stop
-    return gen, False
+def cut_at_eos(generated: list[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """The answer up to and including the first EOS, and whether there was one."""
+    eos = set(eos_ids)
+    for i, t in enumerate(generated):
+        if t in eos:
+            return list(generated[: i + 1]), True
+    return list(generated), False
+
+
+def generation_row(row_id: int, prompt_ids: list[int], answer: list[int], finished: bool) -> dict:
+    """One row of the generations Parquet (GENERATION_SCHEMA)."""
+    return {
+        "row_id": int(row_id),
+        "input_ids": list(prompt_ids) + list(answer),
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
+        "prompt_tokens": len(prompt_ids),
+        "answer_tokens": len(answer),
+        "finished": bool(finished),
+    }
+
+
+def write_generations(rows: list[dict], out_path: Path, generate_s: float) -> GenerationResult:
+    """Write the rows (sorted by row_id) atomically; return the shard's totals."""
+    df = pl.DataFrame(rows, schema=GENERATION_SCHEMA).sort("row_id")
+    atomic_write_parquet(df, Path(out_path))
+    return GenerationResult(
+        samples=len(rows),
+        prompt_tokens=int(df["prompt_tokens"].sum()) if len(rows) else 0,
+        answer_tokens=int(df["answer_tokens"].sum()) if len(rows) else 0,
+        generate_s=generate_s,
+    )
 
 
 def read_generations(path: Path) -> pl.DataFrame:

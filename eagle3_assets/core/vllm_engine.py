@@ -29,48 +29,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import polars as pl
 
-from .files import atomic_write_parquet
-from .generate import GENERATION_SCHEMA, GenerationResult, template_ids
-
-
-# --- shared row building (the transformers engine builds the same dicts inline) -----------------
-
-
-def cut_at_eos(generated: list[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
-    """The answer up to and including the first EOS, and whether there was one."""
-    eos = set(eos_ids)
-    for i, t in enumerate(generated):
-        if t in eos:
-            return list(generated[: i + 1]), True
-    return list(generated), False
-
-
-def generation_row(row_id: int, prompt_ids: list[int], answer: list[int], finished: bool) -> dict:
-    """One row of the generations Parquet (GENERATION_SCHEMA)."""
-    return {
-        "row_id": int(row_id),
-        "input_ids": list(prompt_ids) + list(answer),
-        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
-        "prompt_tokens": len(prompt_ids),
-        "answer_tokens": len(answer),
-        "finished": bool(finished),
-    }
-
-
-def write_generations(rows: list[dict], out_path: Path, generate_s: float) -> GenerationResult:
-    """Write the rows (sorted by row_id) atomically; return the shard's totals."""
-    df = pl.DataFrame(rows, schema=GENERATION_SCHEMA).sort("row_id")
-    atomic_write_parquet(df, Path(out_path))
-    return GenerationResult(
-        samples=len(rows),
-        prompt_tokens=int(df["prompt_tokens"].sum()) if len(rows) else 0,
-        answer_tokens=int(df["answer_tokens"].sum()) if len(rows) else 0,
-        generate_s=generate_s,
-    )
+from .generate import GenerationResult, cut_at_eos, generation_row, template_ids, write_generations
 
 
 # --- vLLM ---------------------------------------------------------------------------------------

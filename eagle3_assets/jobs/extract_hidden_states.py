@@ -15,16 +15,7 @@ import sys
 from dagster_pipes import open_dagster_pipes
 
 from ..core.extract_job import ExtractParams, run_extraction
-
-
-def both(pipes):
-    """Log to the Dagster run (through Pipes) and to stderr (the job's own log, also outside Dagster)."""
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        pipes.log.info(msg)
-
-    return log
+from . import pipes_and_stderr
 
 
 def main() -> None:
@@ -33,7 +24,7 @@ def main() -> None:
         run_extraction(params, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         return
     with open_dagster_pipes() as pipes:
-        metadata = run_extraction(params, log=both(pipes))
+        metadata = run_extraction(params, log=pipes_and_stderr(pipes))
         pipes.report_asset_materialization(metadata=pipes_metadata(metadata))
 
 

@@ -14,16 +14,7 @@ import sys
 from dagster_pipes import open_dagster_pipes
 
 from ..core.train import TrainConfig, train_drafter
-
-
-def both(pipes):
-    """Log to the Dagster run (through Pipes) and to stderr (the job's own log, also outside Dagster)."""
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        pipes.log.info(msg)
-
-    return log
+from . import pipes_and_stderr
 
 
 def main() -> None:
@@ -33,7 +24,7 @@ def main() -> None:
         train_drafter(cfg=cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True), **p)
         return
     with open_dagster_pipes() as pipes:
-        m = train_drafter(cfg=cfg, log=both(pipes), **p)
+        m = train_drafter(cfg=cfg, log=pipes_and_stderr(pipes), **p)
         acc = [round(a, 5) for a in m["step_accuracy"]]
         pipes.report_asset_materialization(
             metadata={
