@@ -20,6 +20,8 @@ rendered pages:
    `hidden_states` draws a chart per numeric metadata key (tokens_per_s, bytes_on_disk,
    samples, model_load_s, ...) across the dynamic shard partitions, and across events.
 
+The browser context bypasses the UI's Content-Security-Policy only so that Playwright's
+`wait_for_function` (which evaluates its predicate) may run; the pages themselves are unchanged.
 Every step is screenshotted into `test-artifacts/ui/` at the repo root (git-ignored) and into
 the test's tmp dir (`<tmp>/ui/`). No step needed the GraphQL API; it is only used to wait until
 the webserver answers.
@@ -257,6 +259,7 @@ def launch_shard_from_ui(page, base: str, partition: str, shot, step: str) -> No
     dialog.get_by_text("Select a partition or create one").click()
     page.get_by_text(partition, exact=True).first.click()  # its checkbox in the partition list
     page.keyboard.press("Escape")  # closes the partition list, not the dialog
+    page.get_by_placeholder("Filter partitions").wait_for(state="hidden")
     launch = dialog.get_by_role("button", name="Launch 1 run")
     launch.wait_for()
     assert dialog.get_by_text("1 partition", exact=True).is_visible()
@@ -287,6 +290,10 @@ def test_operate_from_the_dagster_ui(ui_project):
 
     base, instance, tmp_path = ui_project
     t0 = time.time()
+
+    def step(name: str) -> None:
+        print(f"[{time.time() - t0:5.0f} s] {name}", flush=True)
+
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         # bypass_csp: the UI's Content-Security-Policy forbids eval, which wait_for_function needs.
@@ -299,6 +306,7 @@ def test_operate_from_the_dagster_ui(ui_project):
         page.add_locator_handler(nux, lambda: page.get_by_role("button", name="Skip").click())
         shot = Shots(page, tmp_path)
         try:
+            step("1. asset graph")
             # 1. The asset graph: every asset, every edge.
             page.goto(f"{base}/asset-groups")
             try:
@@ -317,27 +325,33 @@ def test_operate_from_the_dagster_ui(ui_project):
                         {("generations", "hidden_states"), ("hidden_states", "drafter")})
             shot("02_hidden_states_lineage")
             page.goto(f"{base}/assets/hidden_states")
-            page.get_by_text("Upstream assets").wait_for()
-            body = page.inner_text("body")
-            assert re.search(r"Upstream assets\s+generations\b", body), body
-            assert re.search(r"Downstream assets\s+drafter\b", body), body
+            page.wait_for_function(  # the Lineage section, once loaded
+                "(res) => res.every((r) => new RegExp(r).test(document.body.innerText))",
+                arg=[r"Upstream assets\s+generations\s", r"Downstream assets\s+drafter\s"],
+            )
             shot("03_hidden_states_overview_before")
 
+            step("2. launch shard 0")
             # 2. Launch one shard partition (generations + hidden_states) from the UI.
             launch_shard_from_ui(page, base, SHARDS[0], shot, "04")
 
+            step("3. wait for shard 0")
             # 3. Wait for the run; show it.
             run = wait_partition_run(instance, SHARDS[0])
             assert run.status == DagsterRunStatus.SUCCESS, f"run {run.run_id}: {run.status}"
             assert run.asset_selection == {AssetKey("generations"), AssetKey("hidden_states")}
             page.goto(f"{base}/runs/{run.run_id}")
             page.get_by_text("Success", exact=True).first.wait_for()
+            page.get_by_text(f"partition: {SHARDS[0]}", exact=True).wait_for()
+            page.get_by_text("Loading run logs").wait_for(state="hidden")
             shot("05_run_succeeded", full_page=False)
 
+            step("launch shard 1")
             # The second shard, the same way (a plot across partitions needs more than one);
             # it runs while the first shard's metadata is checked.
             launch_shard_from_ui(page, base, SHARDS[1], shot, "06")
 
+            step("4. shard 0 metadata")
             # 4. The shard's metadata on the asset page = the instance's materialization event.
             event = latest_materialization(instance, "hidden_states", SHARDS[0])
             page.goto(f"{base}/assets/hidden_states?view=partitions")
@@ -351,15 +365,16 @@ def test_operate_from_the_dagster_ui(ui_project):
                 assert same(shown[key], event[key]), (key, shown[key], event[key])
             assert event["samples"] == 2 and event["tokens_per_s"] > 0 and event["bytes_on_disk"] > 0
 
+            step("5. wait for shard 1, plots")
             # 5. Numeric metadata as plots across the dynamic shard partitions, and across events.
             run2 = wait_partition_run(instance, SHARDS[1])
             assert run2.status == DagsterRunStatus.SUCCESS, f"run {run2.run_id}: {run2.status}"
             assert instance.get_materialized_partitions(AssetKey("hidden_states")) == set(SHARDS)
             page.goto(f"{base}/assets/hidden_states")
             page.get_by_placeholder("Filter metadata keys").wait_for()
-            page.get_by_role("button", name="Plots", exact=True).click()
+            page.get_by_role("button", name=re.compile(r"\bPlots$")).click()  # name: icon label + text
             for mode, name in (("Partitions", "08_metadata_plots_by_partition"), ("Events", "09_metadata_plots_by_event")):
-                page.get_by_role("button", name=mode, exact=True).click()
+                page.get_by_role("button", name=re.compile(rf"\b{mode}$")).click()
                 page.wait_for_function(
                     "(labels) => labels.every((l) => Array.from(document.querySelectorAll('span')).some((s) => s.textContent.trim() === l))",
                     arg=PLOTTED,
