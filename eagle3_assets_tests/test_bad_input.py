@@ -5,7 +5,6 @@ import hashlib
 import re
 import shutil
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 from dagster import DagsterInstance, materialize

@@ -1,5 +1,4 @@
 import polars as pl
-import torch
 
 from eagle3_assets.core.generate import generate_shard, template_ids
 from eagle3_assets.core.target import load_model, load_tokenizer

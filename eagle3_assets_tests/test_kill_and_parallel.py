@@ -141,21 +141,27 @@ def test_two_gloo_processes_tensor_parallel_match_one_within_float_tolerance(tin
 
 
 def test_a_second_run_of_the_same_shard_refuses_while_the_first_writes(tiny_target, tmp_path):
+    """While a run holds the shard (here: this test process, as a running job does), a second run
+    refuses at once and writes nothing; once the holder is gone the shard extracts normally."""
+    from eagle3_assets.core.extract_job import shard_lock
+
     gens = tmp_path / "g.parquet"
-    write_generations(gens, n=160, seed=5)
-    params = ExtractParams(generations_path=str(gens), shard_dir=str(tmp_path / "shard"), model_dir=str(tiny_target),
-                           target_name="tiny", dtype="float32", device="cpu", batch_tokens=1)
+    write_generations(gens, n=8, seed=5)
+    shard = tmp_path / "shard"
+    params = ExtractParams(generations_path=str(gens), shard_dir=str(shard), model_dir=str(tiny_target),
+                           target_name="tiny", dtype="float32", device="cpu")
     env = {**os.environ, "EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params))}
     cmd = [sys.executable, "-m", "eagle3_assets.jobs.extract_hidden_states"]
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while not list((tmp_path / "shard").glob("*.safetensors")) and time.time() < deadline:
-        time.sleep(0.01)
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    out, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, out
-    assert second.returncode != 0
-    assert "shard shard is being extracted by another process (pid" in second.stderr
-    files = sorted((tmp_path / "shard").iterdir())
-    assert len([f for f in files if f.suffix == ".safetensors"]) == 160 and (tmp_path / "shard" / MANIFEST).is_file()
+    with shard_lock(shard):
+        (shard).mkdir(parents=True, exist_ok=True)
+        (shard / "0000100.safetensors").write_bytes(b"being written by the first run")
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        assert f"shard shard is being extracted by another process (pid {os.getpid()} on" in second.stderr
+        assert (shard / "0000100.safetensors").read_bytes() == b"being written by the first run"
+        assert [p.name for p in shard.iterdir()] == ["0000100.safetensors"]
+    third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr
+    files = sorted(shard.iterdir())
+    assert len([f for f in files if f.suffix == ".safetensors"]) == 8 and (shard / MANIFEST).is_file()
     assert not [f for f in files if f.name.startswith(".")]

@@ -142,6 +142,3 @@ def write_generations(rows: list[dict], out_path: Path, generate_s: float) -> Ge
         generate_s=generate_s,
     )
 
-
-def read_generations(path: Path) -> pl.DataFrame:
-    return pl.read_parquet(path)

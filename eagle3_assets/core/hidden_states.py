@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from .files import atomic_write_parquet, bytes_on_disk, remove_temporaries, tmp_name
+from .files import atomic_write_parquet, remove_temporaries, tmp_name
 
 if TYPE_CHECKING:  # polars is imported where it is used: the engine itself does not need it
     import polars as pl
@@ -116,22 +116,6 @@ def forward_batch(base_model, capture: LayerCapture, batch: list[list[int]], dev
     with torch.inference_mode():
         out = base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
     return capture.take(), out.last_hidden_state
-
-
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group sample indices, sorted by length, into batches of at most `batch_tokens` padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    batches, cur, width = [], [], 0
-    for i in order:
-        w = max(width, lengths[i])
-        if cur and w * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, w = [], lengths[i]
-        cur.append(i)
-        width = w
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +571,4 @@ def plan_shard(
         todo.append((row["row_id"], list(row["input_ids"]), list(row["loss_mask"])))
     return todo, resumed
 
-
-def shard_bytes_on_disk(shard_dir: Path) -> int:
-    return bytes_on_disk(shard_dir)
 
