@@ -125,21 +125,7 @@ def load_batch(batch: list[SampleRef], max_length: int) -> dict[str, torch.Tenso
         with safe_open(str(ref.path), framework="pt") as f:
             samples.append({key: f.get_slice(key)[:max_length] for key in
                             ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")})
-    T = max(s["input_ids"].shape[0] for s in samples)
-
-    def pad(key: str, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.zeros((len(samples), T, *samples[0][key].shape[1:]), dtype=dtype)
-        for i, s in enumerate(samples):
-            out[i, : s[key].shape[0]] = s[key].to(dtype)
-        return out
-
-    return {
-        "input_ids": pad("input_ids", torch.int64),
-        "loss_mask": pad("loss_mask", torch.int64),
-        "aux_hidden_states": pad("aux_hidden_states", samples[0]["aux_hidden_states"].dtype),
-        "last_hidden_state": pad("last_hidden_state", samples[0]["last_hidden_state"].dtype),
-        "lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
-    }
+    return pad_batch(samples)
 
 
 def batches_forever(
@@ -170,7 +156,11 @@ def preload_samples(refs: list[SampleRef], max_length: int, device: torch.device
 
 
 def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
-    samples = [cache[ref.path] for ref in batch]
+    return pad_batch([cache[ref.path] for ref in batch])
+
+
+def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad samples into one batch on their device; `lengths` gives each sample's true length."""
     T = max(s["input_ids"].shape[0] for s in samples)
     device = samples[0]["input_ids"].device
 
