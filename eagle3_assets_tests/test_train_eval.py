@@ -14,6 +14,7 @@ from eagle3_assets.core.train import (
     plan_epoch,
     target_distribution,
     train_drafter,
+    ttt_loss,
 )
 from eagle3_assets.core.vocab import build_vocab_map, count_tokens, save_vocab_map
 from eagle3_assets_tests.tiny import (
@@ -112,6 +113,30 @@ def test_target_distribution_is_softmax_over_draft_vocab(world):
     logits = hidden @ lm_head.T
     assert torch.allclose(p, torch.softmax(logits[..., t2d], -1), atol=1e-6)
     assert torch.equal(in_draft, t2d[logits.argmax(-1)])
+
+
+def test_ttt_loss_is_the_soft_cross_entropy_on_shifted_positions():
+    """The loss, written without a log-softmax tensor, equals the textbook form step by step:
+    step k at index t against the target at t+k+1, counted where loss_mask[t+k+2] is set and
+    the target's argmax is a draft token; tallies count top-1 agreement."""
+    torch.manual_seed(0)
+    B, T, V, steps = 2, 9, 11, 3
+    logits = [torch.randn(B, T, V) for _ in range(steps)]
+    p = torch.softmax(torch.randn(B, T, V) * 3, -1)
+    in_draft = torch.rand(B, T) > 0.2
+    mask = (torch.rand(B, T) > 0.3).long()
+    total, losses, tallies = ttt_loss(logits, p, in_draft, mask, loss_decay=0.8)
+    want_total = 0.0
+    for k in range(steps):
+        s, n = k + 1, T - k - 2
+        counted = mask[:, s + 1 :].bool()
+        ce = -(p[:, s : s + n] * torch.log_softmax(logits[k][:, :n], -1)).sum(-1)
+        want = (ce * (counted & in_draft[:, s : s + n])).sum() / counted.sum()
+        assert losses[k] == pytest.approx(float(want), rel=1e-5)
+        want_total += 0.8**k * float(want)
+        correct = (logits[k][:, :n].argmax(-1) == p[:, s : s + n].argmax(-1)) & counted & in_draft[:, s : s + n]
+        assert tallies[k].tolist() == [int(correct.sum()), int(counted.sum())]
+    assert float(total) == pytest.approx(want_total, rel=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -243,8 +243,9 @@ def ttt_loss(
     target_in_draft: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_decay: float,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[int, int]]]:
-    """Weighted TTT loss, the per-step losses and per-step (correct, counted) top-1 tallies.
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Weighted TTT loss, the per-step losses and per-step top-1 tallies [steps, 2] (correct,
+    counted), left on the device so that a training step needs no GPU-to-CPU sync.
 
     Step k at index t imitates the target at position s = t+k+1 (which predicts token
     t+k+2). A position counts when that token is an answer token, loss_mask[t+k+2] == 1 (the
@@ -255,26 +256,38 @@ def ttt_loss(
     """
     T = loss_mask.shape[1]
     total = torch.zeros((), device=target_p.device)
+    target_argmax = target_p.argmax(-1)  # once, not per step: it is a pass over [B, T, V]
     losses, tallies = [], []
     for k, logits in enumerate(step_logits):
         s = k + 1
         n = T - s - 1  # indices t whose token t+s+1 exists in the padded batch
         if n <= 0:
             losses.append(total.new_zeros(()))
-            tallies.append((0, 0))
+            tallies.append(torch.zeros(2, dtype=torch.int64, device=total.device))
             continue
         counted = loss_mask[:, s + 1 :].bool()  # [B, n]
         in_draft = target_in_draft[:, s : s + n]
         p = target_p[:, s : s + n]
-        log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)
-        per_position = -(p * log_q).sum(-1)
+        z = logits[:, :n].float()
+        # -sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1; this skips a
+        # [B, n, V] log-softmax tensor, which at 16k tokens x 16k-32k vocab is the step's
+        # largest memory traffic.
+        per_position = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
         loss = (per_position * (counted & in_draft)).sum() / counted.sum().clamp(min=1)
         total = total + loss_decay**k * loss
         losses.append(loss.detach())
         with torch.no_grad():
-            correct = (log_q.argmax(-1) == p.argmax(-1)) & counted & in_draft
-            tallies.append((int(correct.sum()), int(counted.sum())))
-    return total, losses, tallies
+            correct = (z.argmax(-1) == target_argmax[:, s : s + n]) & counted & in_draft
+            tallies.append(torch.stack((correct.sum(), counted.sum())))
+    return total, losses, torch.stack(tallies)
+
+
+def window_accuracy(window) -> list[float]:
+    """Per-step top-1 accuracy over a window of [steps, 2] tallies (summed, then divided)."""
+    if not window:
+        return []
+    total = torch.stack(list(window)).sum(0).tolist()
+    return [correct / max(counted, 1) for correct, counted in total]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +359,13 @@ def train_drafter(
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     loss_history, tokens_seen = [], 0
     curve: list[dict] = []  # the logged points: step, time, loss, per-step accuracy
-    window: deque[list[tuple[int, int]]] = deque(maxlen=cfg.acc_window)
+    window: deque[torch.Tensor] = deque(maxlen=cfg.acc_window)  # [steps, 2] tallies per batch
+    pending: list[torch.Tensor] = []  # losses still on the device, read back at log/save points
+
+    def flush_losses() -> None:
+        if pending:
+            loss_history.extend(torch.stack(pending).tolist())
+            pending.clear()
     start_step = 0
     fingerprint = _state_fingerprint(refs, cfg, draft_vocab_size, aux_layer_ids, world)
     state = _load_state(cfg.state_path, fingerprint, device)
@@ -371,7 +390,9 @@ def train_drafter(
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+        batch = next(data)
+        batch_tokens = int(batch["lengths"].sum())  # lengths stay on the CPU: no sync
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
         # The target's distribution, from its stored final hidden state: lm_head(last).
         target_p, target_in_draft = target_distribution(batch["last_hidden_state"], target_head, t2d)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -385,26 +406,27 @@ def train_drafter(
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
 
-        tokens_seen += _sum_over_ranks(int(batch["lengths"].sum()), world, device)
-        loss_history.append(loss.item())
+        tokens_seen += _sum_over_ranks(batch_tokens, world, device)
+        pending.append(loss.detach())
         window.append(tallies)
         steps_done = step + 1
         if step % cfg.log_every == 0 or step == cfg.max_steps - 1:
+            flush_losses()
             elapsed = time.perf_counter() - t0
-            acc = [c / max(n, 1) for c, n in tallies]
-            win_acc = [sum(t[k][0] for t in window) / max(1, sum(t[k][1] for t in window)) for k in range(len(tallies))]
+            acc = window_accuracy([tallies])
+            win_acc = window_accuracy(window)
             curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5),
                           "lr": lr, "accuracy": [round(a, 4) for a in win_acc], "tokens_seen": tokens_seen})
             log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
                 f"acc {' '.join(f'{a:.2f}' for a in acc)} | lr {lr:.2e} | grad {float(grad_norm):.2f} | "
                 f"{tokens_seen / elapsed:,.0f} tok/s")
         if cfg.state_path and rank == 0 and (steps_done % cfg.save_every == 0) and steps_done < cfg.max_steps:
+            flush_losses()
             _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve)
 
+    flush_losses()
     train_s = time.perf_counter() - t0
-    step_accuracy = [
-        sum(t[k][0] for t in window) / max(1, sum(t[k][1] for t in window)) for k in range(cfg.steps_ttt)
-    ]
+    step_accuracy = window_accuracy(window) or [0.0] * cfg.steps_ttt
     out_dir = Path(out_dir)
     if rank == 0:
         save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
