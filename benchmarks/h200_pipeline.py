@@ -253,48 +253,81 @@ def stage_train(r: Run) -> None:
 
 
 def stage_eval(r: Run) -> None:
+    """tau on the MT-bench first turns, category by category (10 each, in the file's order),
+    under a time budget. The first chunk also runs plain greedy decoding (speed-up and
+    output check); a short float32 run checks that greedy mismatches in bf16 are rounding."""
     from eagle3_assets.core.drafter import load_checkpoint
-    from eagle3_assets.core.evaluate import load_mtbench_first_turns, measure_acceptance
+    from eagle3_assets.core.evaluate import load_mtbench_questions, measure_acceptance
     from eagle3_assets.core.target import load_model, load_tokenizer
     from eagle3_assets.core.train import load_target_head
 
     a = r.args
+    t0 = time.perf_counter()
     dtype = torch.bfloat16 if r.device == "cuda" else torch.float32
-    target = load_model(r.model_dir(), dtype, r.device)
     tok = load_tokenizer(r.model_dir())
     embed, _, _ = load_target_head(r.model_dir())
-    drafter = load_checkpoint(r.work / "drafter", embed, dtype=dtype)
-    prompts = load_mtbench_first_turns()[: a.eval_prompts]
-    K = a.k
-    steps = accepted_sum = new_tokens = 0
+
+    def load(dt):
+        return load_model(r.model_dir(), dt, r.device), load_checkpoint(r.work / "drafter", embed, dtype=dt)
+
+    questions = load_mtbench_questions()[: a.eval_prompts]
+    prompts = [q["turns"][0] for q in questions]
+    K, chunk = a.k, a.eval_chunk
+    result = {"num_draft_tokens": K, "max_new_tokens": a.eval_max_new, "dtype": str(dtype)}
+
+    if a.fp32_check_prompts:  # float32 target and drafter: the output must equal plain greedy
+        target32, drafter32 = load(torch.float32)
+        g = measure_acceptance(target32, tok, drafter32, prompts[: a.fp32_check_prompts], a.fp32_check_tokens, K)
+        result["fp32_check"] = {k: g[k] for k in ("prompts_used", "max_new_tokens", "tau", "matches_greedy",
+                                                  "spec_s", "greedy_s")}
+        r.log(f"eval: float32 check {result['fp32_check']}")
+        del target32, drafter32
+
+    target, drafter = load(dtype)
+    steps = accepted_sum = new_tokens = used = 0
     pos_counts = [0.0] * K
-    spec_s, used, t0 = 0.0, 0, time.perf_counter()
-    for i in range(0, len(prompts), a.eval_chunk):
-        if time.perf_counter() - t0 > a.eval_budget_s:
-            r.log(f"eval: time budget reached after {used} prompts")
+    spec_s = 0.0
+    by_category: dict[str, dict] = {}
+    t_loop = time.perf_counter()
+    for i in range(0, len(prompts), chunk):
+        part = prompts[i : i + chunk]
+        elapsed = time.perf_counter() - t0
+        per_prompt = (time.perf_counter() - t_loop) / used if used else 0.0
+        if elapsed + per_prompt * len(part) > a.eval_budget_s:
+            r.log(f"eval: time budget ({a.eval_budget_s:.0f} s) reached after {used} prompts")
             break
-        chunk = prompts[i : i + a.eval_chunk]
-        m = measure_acceptance(target, tok, drafter, chunk, a.eval_max_new, K, greedy_baseline=False)
-        steps += m["verify_steps"]
-        accepted_sum += m["tau"] * m["verify_steps"]
-        pos_counts = [c + p * m["verify_steps"] for c, p in zip(pos_counts, m["per_position_acceptance"])]
+        baseline = i == 0 and a.greedy_prompts > 0
+        m = measure_acceptance(target, tok, drafter, part, a.eval_max_new, K, greedy_baseline=baseline)
+        if baseline:
+            result["greedy_check"] = {k: m[k] for k in ("prompts_used", "tau", "spec_s", "greedy_s", "speedup",
+                                                        "matches_greedy", "new_tokens")}
+            r.log(f"eval: greedy check {result['greedy_check']}")
+        n = m["verify_steps"]
+        steps += n
+        accepted_sum += m["tau"] * n
+        pos_counts = [c + p * n for c, p in zip(pos_counts, m["per_position_acceptance"])]
         new_tokens += m["new_tokens"]
         spec_s += m["spec_s"]
-        used += len(chunk)
-        r.log(f"eval: {used} prompts, tau so far {accepted_sum / steps:.3f}, {steps} verify steps, "
-              f"{new_tokens} tokens, {spec_s:.1f} s")
-    result = {"tau": accepted_sum / steps if steps else 0.0,
-              "per_position_acceptance": [c / steps for c in pos_counts] if steps else [],
-              "verify_steps": steps, "new_tokens": new_tokens, "prompts_used": used, "spec_s": spec_s,
-              "num_draft_tokens": K, "max_new_tokens": a.eval_max_new, "dtype": str(dtype)}
-    # Plain greedy on a few prompts: the speed-up and the check that the output is the target's own.
-    if a.greedy_prompts:
-        g = measure_acceptance(target, tok, drafter, prompts[: a.greedy_prompts], a.eval_max_new, K)
-        result["greedy_check"] = {k: g[k] for k in ("prompts_used", "tau", "spec_s", "greedy_s", "speedup",
-                                                    "matches_greedy", "new_tokens")}
+        used += len(part)
+        for q in questions[i : i + chunk]:  # chunks lie within one category (chunk divides 10)
+            cat = by_category.setdefault(q["category"], {"prompts": 0, "verify_steps": 0, "tokens_per_step_sum": 0.0})
+            cat["prompts"] += 1
+        cat["verify_steps"] += n
+        cat["tokens_per_step_sum"] += m["tau"] * n
+        r.log(f"eval: {used} prompts ({questions[i]['category']}), chunk tau {m['tau']:.3f}, tau so far "
+              f"{accepted_sum / steps:.3f}, {steps} verify steps, {new_tokens} tokens, {spec_s:.1f} s")
+    result.update({
+        "tau": accepted_sum / steps if steps else 0.0,
+        "per_position_acceptance": [c / steps for c in pos_counts] if steps else [],
+        "verify_steps": steps, "new_tokens": new_tokens, "prompts_used": used, "spec_s": spec_s,
+        "tau_by_category": {c: v["tokens_per_step_sum"] / v["verify_steps"] for c, v in by_category.items()
+                            if v["verify_steps"]},
+        "prompts_by_category": {c: v["prompts"] for c, v in by_category.items()},
+    })
     result["eval_s"] = time.perf_counter() - t0
     r.log(f"eval: tau {result['tau']:.3f} at K={K} over {used} MT-bench first turns; per position "
-          f"{[round(x, 3) for x in result['per_position_acceptance']]}; greedy check {result.get('greedy_check')}")
+          f"{[round(x, 3) for x in result['per_position_acceptance']]}; by category "
+          f"{ {c: round(v, 3) for c, v in result['tau_by_category'].items()} }")
     r.save("eval", result)
 
 
@@ -324,14 +357,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--eval-prompts", type=int, default=80)
     ap.add_argument("--eval-max-new", type=int, default=256)
-    ap.add_argument("--eval-chunk", type=int, default=8)
-    ap.add_argument("--eval-budget-s", type=float, default=240.0)
-    ap.add_argument("--greedy-prompts", type=int, default=8)
+    ap.add_argument("--eval-chunk", type=int, default=5, help="prompts per chunk; must divide 10 (a category)")
+    ap.add_argument("--eval-budget-s", type=float, default=240.0, help="for the whole eval stage, loads included")
+    ap.add_argument("--greedy-prompts", type=int, default=1, help="0: no plain-greedy run; else the first chunk runs it")
+    ap.add_argument("--fp32-check-prompts", type=int, default=0)
+    ap.add_argument("--fp32-check-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.tiny:
         args.max_prompts, args.min_prompts, args.shard_size, args.gen_batch = 16, 16, 8, 8
         args.max_new_tokens, args.max_steps, args.warmup, args.log_every = 8, 2, 1, 1
         args.eval_prompts, args.eval_max_new, args.eval_chunk, args.greedy_prompts = 2, 8, 1, 1
+        args.fp32_check_prompts, args.fp32_check_tokens = 1, 8
         args.batch_tokens, args.draft_vocab = 2048, 512
     r = Run(args)
     r.log(f"args: {vars(args)}")

@@ -19,10 +19,10 @@ import torch
 from eagle3_assets.core.drafter import DrafterCache, Eagle3Drafter
 
 
-def load_mtbench_first_turns() -> list[str]:
-    """The first turns of the 80 MT-bench questions, read from the installed `flexeval` package
-    (FastChat's file, Apache-2.0). flexeval itself is not imported: its dependencies are not
-    needed for one data file."""
+def load_mtbench_questions() -> list[dict]:
+    """The 80 MT-bench questions (question_id, category, turns), read from the installed
+    `flexeval` package (FastChat's file, Apache-2.0). flexeval itself is not imported: its
+    dependencies are not needed for one data file."""
     spec = importlib.util.find_spec("flexeval")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -32,11 +32,12 @@ def load_mtbench_first_turns() -> list[str]:
     path = Path(spec.submodule_search_locations[0]) / "core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"flexeval is installed but {path} is missing; reinstall flexeval 0.18.x")
-    turns = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            turns.append(json.loads(line)["turns"][0])
-    return turns
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_mtbench_first_turns() -> list[str]:
+    """The first turns of the 80 MT-bench questions, in the file's order (10 per category)."""
+    return [q["turns"][0] for q in load_mtbench_questions()]
 
 
 def _eos_ids(target_model, tokenizer) -> set[int]:
