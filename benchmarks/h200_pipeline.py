@@ -38,7 +38,7 @@ except ModuleNotFoundError:
     sys.modules["eagle3_assets.settings"] = _settings
 
 TARGET = "embedded:SmolLM2-135M-Instruct"
-STAGES = ["setup", "prompts", "generate", "extract", "vocab", "train", "eval"]
+STAGES = ["setup", "prompts", "generate", "extract", "vocab", "train", "eval", "eval_worker"]
 
 
 class Run:
@@ -237,6 +237,10 @@ def stage_train(r: Run) -> None:
     cfg = TrainConfig(steps_ttt=7, lr=a.lr, warmup_steps=a.warmup, max_steps=a.max_steps,
                       batch_tokens=a.batch_tokens, max_length=1024, device=r.device, log_every=a.log_every,
                       preload=r.device == "cuda", time_budget_s=a.train_budget_s, min_lr_ratio=0.05)
+    if a.train_end_at_s:  # one call for the whole chain: train until this script time, less start-up
+        since_start = time.perf_counter() - r.t_start
+        cfg.time_budget_s = min(a.train_budget_s, a.train_end_at_s - since_start - a.train_startup_s)
+        r.log(f"train: time budget {cfg.time_budget_s:.0f} s (train until {a.train_end_at_s:.0f} s of this run)")
     shard_dirs = [r.work / "hidden_states" / k for k in r.shards()]
     t0 = time.perf_counter()
     m = train_drafter(shard_dirs, r.model_dir(), r.work / "vocab_map.safetensors", r.work / "drafter",
@@ -252,82 +256,116 @@ def stage_train(r: Run) -> None:
     r.save("train", m)
 
 
-def stage_eval(r: Run) -> None:
-    """tau on the MT-bench first turns, category by category (10 each, in the file's order),
-    under a time budget. The first chunk also runs plain greedy decoding (speed-up and
-    output check); a short float32 run checks that greedy mismatches in bf16 are rounding."""
+def _eval_prompts(r: Run) -> list[dict]:
+    from eagle3_assets.core.evaluate import load_mtbench_questions
+
+    return load_mtbench_questions()[: r.args.eval_prompts]
+
+
+def _load_pair(r: Run, dtype):
     from eagle3_assets.core.drafter import load_checkpoint
-    from eagle3_assets.core.evaluate import load_mtbench_questions, measure_acceptance
     from eagle3_assets.core.target import load_model, load_tokenizer
     from eagle3_assets.core.train import load_target_head
 
+    embed, _, _ = load_target_head(r.model_dir())
+    return (load_model(r.model_dir(), dtype, r.device), load_tokenizer(r.model_dir()),
+            load_checkpoint(r.work / "drafter", embed, dtype=dtype))
+
+
+def _dtype(r: Run):
+    return torch.bfloat16 if r.device == "cuda" else torch.float32
+
+
+def stage_eval_worker(r: Run) -> None:
+    """One of --eval-workers processes: every N-th MT-bench question, one JSON line per prompt,
+    until the deadline. Batch-1 decoding is launch-bound (about 29 ms per target forward on
+    the H200 with the GPU mostly idle), so several processes share the card well."""
+    from eagle3_assets.core.evaluate import measure_acceptance
+
+    a = r.args
+    index, count = map(int, a.worker.split("/"))
+    target, tok, drafter = _load_pair(r, _dtype(r))
+    out = r.work / "eval_parts" / f"w{index}.jsonl"
+    done, t0 = 0, time.perf_counter()
+    for q in _eval_prompts(r)[index::count]:
+        mean = (time.perf_counter() - t0) / done if done else 0.0
+        if time.time() + mean > a.deadline_epoch:
+            break
+        m = measure_acceptance(target, tok, drafter, [q["turns"][0]], a.eval_max_new, a.k, greedy_baseline=False)
+        row = {"question_id": q["question_id"], "category": q["category"]}
+        row.update({k: m[k] for k in ("tau", "per_position_acceptance", "verify_steps", "new_tokens", "spec_s")})
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        done += 1
+
+
+def stage_eval(r: Run) -> None:
+    """tau on the MT-bench first turns: --eval-workers processes share the prompts under one
+    deadline, then, alone on the GPU, plain greedy against speculative decoding on the first
+    --greedy-prompts prompts (wall-clock speed-up, output check) and a float32 run (greedy
+    mismatches in bf16 are rounding if float32 matches)."""
+    import subprocess
+
+    from eagle3_assets.core.evaluate import measure_acceptance
+
     a = r.args
     t0 = time.perf_counter()
-    dtype = torch.bfloat16 if r.device == "cuda" else torch.float32
-    tok = load_tokenizer(r.model_dir())
-    embed, _, _ = load_target_head(r.model_dir())
+    K = a.k
+    questions = _eval_prompts(r)
+    parts = r.work / "eval_parts"
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir(parents=True)
+    deadline = time.time() + a.eval_budget_s
+    common = ["--work", str(r.work), "--device", r.device, "--eval-prompts", str(a.eval_prompts),
+              "--eval-max-new", str(a.eval_max_new), "--k", str(K), "--deadline-epoch", str(deadline)]
+    workers = [subprocess.Popen([sys.executable, __file__, str(parts / f"log{i}"), "--stages", "eval_worker",
+                                 "--worker", f"{i}/{a.eval_workers}", *common])
+               for i in range(a.eval_workers)]
+    codes = [w.wait() for w in workers]
+    rows = [json.loads(line) for i in range(a.eval_workers) if (parts / f"w{i}.jsonl").exists()
+            for line in (parts / f"w{i}.jsonl").read_text().splitlines()]
+    rows.sort(key=lambda x: x["question_id"])
+    parallel_s = time.perf_counter() - t0
+    steps = sum(x["verify_steps"] for x in rows)
 
-    def load(dt):
-        return load_model(r.model_dir(), dt, r.device), load_checkpoint(r.work / "drafter", embed, dtype=dt)
+    def tau(sel) -> float:
+        n = sum(x["verify_steps"] for x in sel)
+        return sum(x["tau"] * x["verify_steps"] for x in sel) / n if n else 0.0
 
-    questions = load_mtbench_questions()[: a.eval_prompts]
+    cats = sorted({x["category"] for x in rows}, key=lambda c: min(x["question_id"] for x in rows if x["category"] == c))
+    result = {
+        "tau": tau(rows),
+        "per_position_acceptance": [sum(x["per_position_acceptance"][i] * x["verify_steps"] for x in rows) / steps
+                                    for i in range(K)] if steps else [],
+        "verify_steps": steps, "new_tokens": sum(x["new_tokens"] for x in rows), "prompts_used": len(rows),
+        "prompts_asked": len(questions), "tau_by_category": {c: tau([x for x in rows if x["category"] == c]) for c in cats},
+        "prompts_by_category": {c: sum(x["category"] == c for x in rows) for c in cats},
+        "workers": a.eval_workers, "worker_exit_codes": codes, "parallel_s": parallel_s,
+        "spec_s_sum_over_workers": sum(x["spec_s"] for x in rows), "per_prompt": rows,
+        "num_draft_tokens": K, "max_new_tokens": a.eval_max_new, "dtype": str(_dtype(r)),
+    }
+    r.log(f"eval: tau {result['tau']:.3f} at K={K} over {len(rows)} of {len(questions)} MT-bench first turns "
+          f"({a.eval_workers} workers, {parallel_s:.1f} s, exit codes {codes}); per position "
+          f"{[round(x, 3) for x in result['per_position_acceptance']]}; by category "
+          f"{ {c: round(v, 3) for c, v in result['tau_by_category'].items()} }")
+    r.save("eval", result)
+
     prompts = [q["turns"][0] for q in questions]
-    K, chunk = a.k, a.eval_chunk
-    result = {"num_draft_tokens": K, "max_new_tokens": a.eval_max_new, "dtype": str(dtype)}
-
-    if a.fp32_check_prompts:  # float32 target and drafter: the output must equal plain greedy
-        target32, drafter32 = load(torch.float32)
-        g = measure_acceptance(target32, tok, drafter32, prompts[: a.fp32_check_prompts], a.fp32_check_tokens, K)
+    if a.greedy_prompts:  # alone on the GPU now: the timing is fair
+        target, tok, drafter = _load_pair(r, _dtype(r))
+        g = measure_acceptance(target, tok, drafter, prompts[: a.greedy_prompts], a.eval_max_new, K)
+        result["greedy_check"] = {k: g[k] for k in ("prompts_used", "tau", "spec_s", "greedy_s", "speedup",
+                                                    "matches_greedy", "new_tokens")}
+        r.log(f"eval: greedy check {result['greedy_check']}")
+        del target, drafter
+        r.save("eval", result)
+    if a.fp32_check_prompts:
+        target, tok, drafter = _load_pair(r, torch.float32)
+        g = measure_acceptance(target, tok, drafter, prompts[: a.fp32_check_prompts], a.fp32_check_tokens, K)
         result["fp32_check"] = {k: g[k] for k in ("prompts_used", "max_new_tokens", "tau", "matches_greedy",
                                                   "spec_s", "greedy_s")}
         r.log(f"eval: float32 check {result['fp32_check']}")
-        del target32, drafter32
-
-    target, drafter = load(dtype)
-    steps = accepted_sum = new_tokens = used = 0
-    pos_counts = [0.0] * K
-    spec_s = 0.0
-    by_category: dict[str, dict] = {}
-    t_loop = time.perf_counter()
-    for i in range(0, len(prompts), chunk):
-        part = prompts[i : i + chunk]
-        elapsed = time.perf_counter() - t0
-        per_prompt = (time.perf_counter() - t_loop) / used if used else 0.0
-        if elapsed + per_prompt * len(part) > a.eval_budget_s:
-            r.log(f"eval: time budget ({a.eval_budget_s:.0f} s) reached after {used} prompts")
-            break
-        baseline = i == 0 and a.greedy_prompts > 0
-        m = measure_acceptance(target, tok, drafter, part, a.eval_max_new, K, greedy_baseline=baseline)
-        if baseline:
-            result["greedy_check"] = {k: m[k] for k in ("prompts_used", "tau", "spec_s", "greedy_s", "speedup",
-                                                        "matches_greedy", "new_tokens")}
-            r.log(f"eval: greedy check {result['greedy_check']}")
-        n = m["verify_steps"]
-        steps += n
-        accepted_sum += m["tau"] * n
-        pos_counts = [c + p * n for c, p in zip(pos_counts, m["per_position_acceptance"])]
-        new_tokens += m["new_tokens"]
-        spec_s += m["spec_s"]
-        used += len(part)
-        for q in questions[i : i + chunk]:  # chunks lie within one category (chunk divides 10)
-            cat = by_category.setdefault(q["category"], {"prompts": 0, "verify_steps": 0, "tokens_per_step_sum": 0.0})
-            cat["prompts"] += 1
-        cat["verify_steps"] += n
-        cat["tokens_per_step_sum"] += m["tau"] * n
-        r.log(f"eval: {used} prompts ({questions[i]['category']}), chunk tau {m['tau']:.3f}, tau so far "
-              f"{accepted_sum / steps:.3f}, {steps} verify steps, {new_tokens} tokens, {spec_s:.1f} s")
-    result.update({
-        "tau": accepted_sum / steps if steps else 0.0,
-        "per_position_acceptance": [c / steps for c in pos_counts] if steps else [],
-        "verify_steps": steps, "new_tokens": new_tokens, "prompts_used": used, "spec_s": spec_s,
-        "tau_by_category": {c: v["tokens_per_step_sum"] / v["verify_steps"] for c, v in by_category.items()
-                            if v["verify_steps"]},
-        "prompts_by_category": {c: v["prompts"] for c, v in by_category.items()},
-    })
     result["eval_s"] = time.perf_counter() - t0
-    r.log(f"eval: tau {result['tau']:.3f} at K={K} over {used} MT-bench first turns; per position "
-          f"{[round(x, 3) for x in result['per_position_acceptance']]}; by category "
-          f"{ {c: round(v, 3) for c, v in result['tau_by_category'].items()} }")
     r.save("eval", result)
 
 
@@ -353,20 +391,24 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=20000)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--train-budget-s", type=float, default=180.0)
+    ap.add_argument("--train-end-at-s", type=float, default=0.0, help="if set: train until this time of the run")
+    ap.add_argument("--train-startup-s", type=float, default=15.0, help="preload and set-up, before the budget counts")
+    ap.add_argument("--worker", default="0/1", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline-epoch", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--eval-prompts", type=int, default=80)
     ap.add_argument("--eval-max-new", type=int, default=256)
-    ap.add_argument("--eval-chunk", type=int, default=5, help="prompts per chunk; must divide 10 (a category)")
-    ap.add_argument("--eval-budget-s", type=float, default=240.0, help="for the whole eval stage, loads included")
-    ap.add_argument("--greedy-prompts", type=int, default=1, help="0: no plain-greedy run; else the first chunk runs it")
+    ap.add_argument("--eval-workers", type=int, default=8, help="processes sharing the GPU for the tau measurement")
+    ap.add_argument("--eval-budget-s", type=float, default=240.0, help="deadline of the parallel tau measurement")
+    ap.add_argument("--greedy-prompts", type=int, default=1, help="prompts timed against plain greedy afterwards")
     ap.add_argument("--fp32-check-prompts", type=int, default=0)
     ap.add_argument("--fp32-check-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.tiny:
         args.max_prompts, args.min_prompts, args.shard_size, args.gen_batch = 16, 16, 8, 8
         args.max_new_tokens, args.max_steps, args.warmup, args.log_every = 8, 2, 1, 1
-        args.eval_prompts, args.eval_max_new, args.eval_chunk, args.greedy_prompts = 2, 8, 1, 1
+        args.eval_prompts, args.eval_max_new, args.eval_workers, args.greedy_prompts = 3, 8, 2, 1
         args.fp32_check_prompts, args.fp32_check_tokens = 1, 8
         args.batch_tokens, args.draft_vocab = 2048, 512
     r = Run(args)
@@ -377,6 +419,8 @@ def main() -> None:
         t0 = time.perf_counter()
         r.log(f"=== {stage}")
         globals()[f"stage_{stage}"](r)
+        if stage == "eval_worker":  # workers run side by side: only the parent writes results.json
+            continue
         times = r.results.setdefault("stage_s", {})
         times[stage] = time.perf_counter() - t0
         r.save("stage_s", times)
