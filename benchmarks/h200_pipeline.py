@@ -11,6 +11,11 @@ stage together with the log.
     python benchmarks/h200_pipeline.py OUT --stages setup,prompts,generate,extract,vocab
     python benchmarks/h200_pipeline.py OUT --stages train,eval
     python benchmarks/h200_pipeline.py OUT --tiny --device cpu       # CPU smoke run
+
+The device machine keeps /tmp only about 30 s after a call, so one call that runs everything
+(--train-end-at-s sizes the training to what the call has left) is safer than several. tau is
+measured by --eval-workers processes side by side (batch-1 decoding leaves the GPU mostly
+idle); the speed-up against plain greedy is timed afterwards with the GPU to itself.
 """
 
 from __future__ import annotations
