@@ -12,8 +12,10 @@ stage together with the log.
     python benchmarks/h200_pipeline.py OUT --stages train,eval
     python benchmarks/h200_pipeline.py OUT --tiny --device cpu       # CPU smoke run
 
-The device machine keeps /tmp only about 30 s after a call, so one call that runs everything
-(--train-end-at-s sizes the training to what the call has left) is safer than several. tau is
+The device machine keeps /tmp only about 30 s after a call, so calls must follow each other at
+once. One call can run everything (--train-end-at-s sizes the training to what the call has
+left); for longer training, --train-pause-at-s pauses a call's share and the next call's train
+stage resumes the same run (--train-budget-s is then the total over the calls). tau is
 measured by --eval-workers processes side by side (batch-1 decoding leaves the GPU mostly
 idle); the speed-up against plain greedy is timed afterwards with the GPU to itself.
 """
@@ -241,11 +243,15 @@ def stage_train(r: Run) -> None:
     a = r.args
     cfg = TrainConfig(steps_ttt=7, lr=a.lr, warmup_steps=a.warmup, max_steps=a.max_steps,
                       batch_tokens=a.batch_tokens, max_length=1024, device=r.device, log_every=a.log_every,
-                      preload=r.device == "cuda", time_budget_s=a.train_budget_s, min_lr_ratio=0.05)
+                      preload=r.device == "cuda", time_budget_s=a.train_budget_s, min_lr_ratio=0.05,
+                      state_path=str(r.work / "train_state.pt"), save_every=500)
+    since_start = time.perf_counter() - r.t_start
     if a.train_end_at_s:  # one call for the whole chain: train until this script time, less start-up
-        since_start = time.perf_counter() - r.t_start
         cfg.time_budget_s = min(a.train_budget_s, a.train_end_at_s - since_start - a.train_startup_s)
         r.log(f"train: time budget {cfg.time_budget_s:.0f} s (train until {a.train_end_at_s:.0f} s of this run)")
+    if a.train_pause_at_s:  # one run over several calls: --train-budget-s is the total of them all
+        cfg.stop_after_s = max(0.0, a.train_pause_at_s - since_start - a.train_startup_s)
+        r.log(f"train: {cfg.time_budget_s:.0f} s in all; this call pauses after {cfg.stop_after_s:.0f} s")
     shard_dirs = [r.work / "hidden_states" / k for k in r.shards()]
     t0 = time.perf_counter()
     m = train_drafter(shard_dirs, r.model_dir(), r.work / "vocab_map.safetensors", r.work / "drafter",
@@ -259,6 +265,9 @@ def stage_train(r: Run) -> None:
           f"final loss {m['final_loss']:.4f}, accuracy by step "
           f"{[round(x, 3) for x in m['step_accuracy']]}, {total_s:.1f} s in all")
     r.save("train", m)
+    r.results.setdefault("train_calls", []).append(
+        {k: m[k] for k in ("steps", "train_s", "tokens_seen", "tokens_per_s", "resumed_from_step", "paused")})
+    r.save("train_calls", r.results["train_calls"])
 
 
 def _eval_prompts(r: Run) -> list[dict]:
@@ -397,6 +406,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--train-budget-s", type=float, default=180.0)
     ap.add_argument("--train-end-at-s", type=float, default=0.0, help="if set: train until this time of the run")
+    ap.add_argument("--train-pause-at-s", type=float, default=0.0,
+                    help="if set: pause at this time of the run, to go on in a later call (same --work)")
     ap.add_argument("--train-startup-s", type=float, default=15.0, help="preload and set-up, before the budget counts")
     ap.add_argument("--worker", default="0/1", help=argparse.SUPPRESS)
     ap.add_argument("--deadline-epoch", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -162,6 +162,33 @@ def test_training_overfits_two_samples_and_saves_a_checkpoint(trained):
     assert any("step" in line for line in trained["logs"])
 
 
+def test_paused_training_continues_to_the_same_weights(world, tmp_path):
+    """stop_after_s pauses a run (a time-limited slot) and keeps its state; the next run takes
+    up where it stopped and ends where one uninterrupted run ends."""
+    from safetensors.torch import load_file
+
+    def run(name, **kw):
+        cfg = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=6, batch_tokens=256, steps_ttt=2, log_every=1000,
+                          seed=0, checkpoint_dtype="float32", state_path=str(tmp_path / "state.pt"), **kw)
+        logs = []
+        m = train_drafter([world["shard"]], world["model_dir"], world["vocab_path"], tmp_path / name,
+                          aux_layer_ids=AUX, draft_vocab_size=64, cfg=cfg, log=logs.append)
+        return m, logs
+
+    whole, _ = run("whole")
+    assert not whole["paused"] and not (tmp_path / "state.pt").exists()
+    first, logs = run("split", stop_after_s=0.0)  # 0 s: pause after the first step
+    assert first["paused"] and first["steps"] == 1 and (tmp_path / "state.pt").exists()
+    assert any("paused after 1 steps" in line for line in logs)
+    second, logs = run("split")
+    assert any("resumed from" in line and "at step 1 of 6" in line for line in logs)
+    assert second["steps"] == 6 and not second["paused"] and not (tmp_path / "state.pt").exists()
+    assert second["loss_history"] == pytest.approx(whole["loss_history"], rel=1e-5)
+    assert second["train_s"] >= first["train_s"]  # training time adds up over the runs
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "split" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
 def test_speculative_decoding_equals_greedy_with_random_drafter(world):
     config = DrafterConfig.from_target_config(world["target"].config, 64, AUX)
     torch.manual_seed(1)

@@ -59,6 +59,10 @@ class TrainConfig:
     # Stop after this many seconds of training even if max_steps is not reached; the LR schedule
     # then follows the larger of the step and time fractions, so it still ends fully decayed.
     time_budget_s: float | None = None
+    # Pause: stop this run after this many seconds of training and keep the state (with the
+    # training time so far) for the next run to continue; unlike time_budget_s it leaves the
+    # schedule alone, so one run can span several time-limited slots.
+    stop_after_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,11 +378,13 @@ def train_drafter(
         optimizer.load_state_dict(state["optimizer"])
         start_step, tokens_seen = state["step"], state["tokens_seen"]
         loss_history, curve = state["loss_history"], state["curve"]
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the GPU
         log(f"train: resumed from {cfg.state_path} at step {start_step} of {cfg.max_steps}")
     data = batches_forever(refs, cfg, cache, start_step, rank, world)
-    t0 = time.perf_counter()
-    steps_done = start_step
+    t_run = time.perf_counter()
+    # Training time counts over resumed runs, so a time budget spans them all.
+    t0 = t_run - (state.get("train_s", 0.0) if state is not None else 0.0)
+    steps_done, paused = start_step, False
 
     for step in range(start_step, cfg.max_steps):
         elapsed = time.perf_counter() - t0
@@ -422,16 +428,25 @@ def train_drafter(
                 f"{tokens_seen / elapsed:,.0f} tok/s")
         if cfg.state_path and rank == 0 and (steps_done % cfg.save_every == 0) and steps_done < cfg.max_steps:
             flush_losses()
-            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve)
+            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve,
+                        time.perf_counter() - t0)
+        # Checked after the step, so a pause always makes progress.
+        if cfg.stop_after_s is not None and time.perf_counter() - t_run >= cfg.stop_after_s and steps_done < cfg.max_steps:
+            paused = True
+            log(f"train: paused after {steps_done} steps ({cfg.stop_after_s:.0f} s for this run)")
+            break
 
     flush_losses()
     train_s = time.perf_counter() - t0
     step_accuracy = window_accuracy(window) or [0.0] * cfg.steps_ttt
     out_dir = Path(out_dir)
     if rank == 0:
+        if cfg.state_path and paused:  # before the checkpoint moves the weights to the CPU
+            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history,
+                        curve, train_s)
         save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
         log(f"train: saved drafter to {out_dir} after {steps_done} steps, {train_s:.1f} s")
-        if cfg.state_path:
+        if cfg.state_path and not paused:
             Path(cfg.state_path).unlink(missing_ok=True)  # finished: a rerun trains afresh
     if world > 1:
         torch.distributed.barrier()
@@ -449,6 +464,7 @@ def train_drafter(
         "samples": len(refs),
         "resumed_from_step": state["step"] if state is not None else 0,
         "processes": world,
+        "paused": paused,
     }
 
 
@@ -461,19 +477,19 @@ def _state_fingerprint(refs, cfg: TrainConfig, draft_vocab_size: int, aux_layer_
     """What a saved state was trained on; a state for other data or settings is not resumed."""
     import hashlib
 
-    keys = {k: v for k, v in vars(cfg).items() if k not in ("log_every", "state_path", "save_every", "time_budget_s")}
+    keys = {k: v for k, v in vars(cfg).items() if k not in ("log_every", "state_path", "save_every", "time_budget_s", "stop_after_s")}
     blob = json.dumps([str(r.path) for r in refs] + [r.tokens for r in refs] + [keys, draft_vocab_size,
                       list(aux_layer_ids), world], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _save_state(path, fingerprint, model, optimizer, step, tokens_seen, loss_history, curve) -> None:
+def _save_state(path, fingerprint, model, optimizer, step, tokens_seen, loss_history, curve, train_s) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "step": step, "tokens_seen": tokens_seen, "loss_history": loss_history, "curve": curve,
-                "rng": torch.get_rng_state()}, tmp)
+                "train_s": train_s, "rng": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)  # a killed save leaves the previous state intact
 
 
