@@ -265,9 +265,8 @@ def stage_train(r: Run) -> None:
           f"final loss {m['final_loss']:.4f}, accuracy by step "
           f"{[round(x, 3) for x in m['step_accuracy']]}, {total_s:.1f} s in all")
     r.save("train", m)
-    r.results.setdefault("train_calls", []).append(
-        {k: m[k] for k in ("steps", "train_s", "tokens_seen", "tokens_per_s", "resumed_from_step", "paused")})
-    r.save("train_calls", r.results["train_calls"])
+    call = {k: m[k] for k in ("steps", "train_s", "tokens_seen", "tokens_per_s", "resumed_from_step", "paused")}
+    r.save("train_calls", r.results.get("train_calls", []) + [call])  # one row per call of a paused run
 
 
 def _eval_prompts(r: Run) -> list[dict]:

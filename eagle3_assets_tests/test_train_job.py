@@ -76,3 +76,21 @@ def test_ddp_over_two_gloo_ranks_trains_and_saves_one_checkpoint(tiny_target, tm
     assert p.returncode == 0, out
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
     assert "saved drafter" in out
+
+
+def test_ddp_ranks_pause_together_and_resume(tiny_target, tmp_path):
+    """stop_after_s under DDP: both ranks pause at the same step (rank 0's clock decides for
+    both), rank 0 keeps the state, and the next run resumes from it on both ranks."""
+    params = setup(tiny_target, tmp_path)
+    state = tmp_path / "train_state.pt"
+    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, steps_ttt=2, log_every=1,
+                      state_path=str(state), stop_after_s=0.0)
+    p = job(params, cfg, nproc=2)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "paused after 1 steps" in out and state.exists()
+    cfg.stop_after_s = None
+    p = job(params, cfg, nproc=2)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert f"resumed from {state} at step 1 of 6" in out and not state.exists()

@@ -387,10 +387,16 @@ def train_drafter(
     steps_done, paused = start_step, False
 
     for step in range(start_step, cfg.max_steps):
-        elapsed = time.perf_counter() - t0
-        time_fraction = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
+        if world == 1 or (step - start_step) % cfg.log_every == 0:
+            now = time.perf_counter()
+            trained_s, run_s = _elapsed_on_rank0([now - t0, now - t_run], world, device)
+        time_fraction = trained_s / cfg.time_budget_s if cfg.time_budget_s else 0.0
         if time_fraction >= 1.0:
             log(f"train: time budget of {cfg.time_budget_s:.0f} s reached after {step} steps")
+            break
+        if cfg.stop_after_s is not None and run_s >= cfg.stop_after_s and step > start_step:  # never 0 steps
+            paused = True
+            log(f"train: paused after {step} steps ({cfg.stop_after_s:.0f} s for this run)")
             break
         lr = learning_rate(step, cfg, time_fraction)
         for group in optimizer.param_groups:
@@ -430,11 +436,6 @@ def train_drafter(
             flush_losses()
             _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve,
                         time.perf_counter() - t0)
-        # Checked after the step, so a pause always makes progress.
-        if cfg.stop_after_s is not None and time.perf_counter() - t_run >= cfg.stop_after_s and steps_done < cfg.max_steps:
-            paused = True
-            log(f"train: paused after {steps_done} steps ({cfg.stop_after_s:.0f} s for this run)")
-            break
 
     flush_losses()
     train_s = time.perf_counter() - t0
@@ -498,6 +499,17 @@ def _load_state(path, fingerprint, device):
         return None
     state = torch.load(path, map_location=device, weights_only=False)
     return state if state.get("fingerprint") == fingerprint else None
+
+
+def _elapsed_on_rank0(clocks: list[float], world: int, device) -> list[float]:
+    """Rank 0's clocks for every rank: the LR and the time limits then agree across ranks (one
+    rank stopping alone would leave the others waiting in the gradient all-reduce). With several
+    ranks the caller reads them every log_every steps, as the broadcast waits for the GPU."""
+    if world == 1:
+        return clocks
+    t = torch.tensor(clocks, dtype=torch.float64, device=device)
+    torch.distributed.broadcast(t, src=0)
+    return t.tolist()
 
 
 def _sum_over_ranks(value: int, world: int, device) -> int:
