@@ -6,7 +6,11 @@ directly on the card, seeded samples of 256-4096 tokens, real files written to l
     PYTHONPATH=. python benchmarks/extract_throughput.py --out-dir /tmp/xbench --json $OUT/extract.json
 
 `--tiny` runs the same steps on a tiny model (a CPU smoke test). Prints a table last.
-Needs torch, transformers, safetensors (not polars: the engine imports it only for manifests).
+
+`--model DIR --generations FILE[,FILE...]` measures the engine on a real target and the rows of
+real `generations` shards instead (the model loaded as the extraction job loads it, one warm-up
+forward, then the engine with files written): the reference that `eagle3 run`'s per-shard
+`tokens_per_s` is compared with in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,28 +21,13 @@ import os
 import shutil
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
-try:  # the device image has no polars; the engine needs it only for manifests, which we don't write
-    import polars  # noqa: F401
-except ImportError:
-    sys.modules["polars"] = types.ModuleType("polars")
-
-from eagle3_assets.core.hidden_states import (  # noqa: E402
-    bytes_per_token,
-    extract_samples,
-    forward_batch,
-    lean_forward,
-    lean_supported,
-    LayerCapture,
-    plan_packs,
-    read_sample,
-    sample_file,
-    validate_sample,
-)
+from eagle3_assets.core.extract_engine import LayerCapture, extract_samples, forward_batch, plan_packs, warm_up
+from eagle3_assets.core.lean_forward import lean_forward, lean_supported
+from eagle3_assets.core.sample_files import bytes_per_token, read_sample, sample_file, validate_sample
 
 ROWS: list[tuple[str, float, str]] = []
 RESULTS: dict = {}
@@ -274,7 +263,11 @@ def main() -> None:
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-durable", action="store_true")
     ap.add_argument("--sweep", default="", help="comma-separated pack sizes: also time the lean forward at these")
+    ap.add_argument("--model", help="a real target folder (with --generations): the engine on real shards' rows")
+    ap.add_argument("--generations", help="comma-separated generations Parquet files (with --model)")
     args = ap.parse_args()
+    if args.model:
+        return same_data_as_shards(args)
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu":
@@ -390,6 +383,51 @@ def main() -> None:
             f"({lt['checkpoint_bytes'] / 1e9:.1f} GB); a 2,000-sample shard (~{lt['shard_2000_tokens'] / 1e6:.1f}M tokens, "
             f"{lt['shard_2000_bytes'] / 1e9:.0f} GB) extracts in ~{lt['shard_2000_extract_s']:.0f} s at the engine's rate, "
             f"~{lt['shard_2000_extract_s_disk_bound']:.0f} s if disk-bound")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(RESULTS, indent=2))
+
+
+def same_data_as_shards(args) -> None:
+    """The engine alone on a real target and real shards' rows: the rate `eagle3 run` should reach."""
+    import polars as pl
+
+    from eagle3_assets.core.target import load_model, pick_device
+
+    dev = pick_device("auto")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    base = load_model(Path(args.model), dtype, str(dev), base_only=True)
+    load_s = time.perf_counter() - t0
+    cfg = base.config
+    aux_ids = [2, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 3]
+    out = Path(args.out_dir)
+    RESULTS.update(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", model=args.model,
+                   model_load_s=load_s, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), shards={})
+    log(f"{RESULTS['date']}  {RESULTS['device']}  {args.model} loaded in {load_s:.1f} s")
+    t0 = time.perf_counter()
+    warm_up(base, aux_ids, dtype)
+    log(f"warm-up {time.perf_counter() - t0:.1f} s")
+    meta = {"format_version": "1", "target_model": "bench", "aux_layer_ids": ",".join(map(str, aux_ids)),
+            "dtype": str(dtype).removeprefix("torch."), "hidden_size": str(cfg.hidden_size)}
+    for path in args.generations.split(","):
+        df = pl.read_parquet(path, columns=["row_id", "input_ids", "loss_mask"])
+        samples = [(r, list(i), list(m)) for r, i, m in df.iter_rows()]
+        tokens = sum(len(x[1]) for x in samples)
+        t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
+        row(f"{Path(path).stem}: engine forward only (packed {args.batch_tokens}), no saving", tokens / t, f"{t:.2f} s")
+        d = reset_dir(out / Path(path).stem)
+        t0 = time.perf_counter()
+        extract_samples(base, samples, d, aux_layer_ids=aux_ids, dtype=dtype, batch_tokens=args.batch_tokens,
+                        writer_threads=args.writer_threads, metadata=meta, staging_buffers=args.staging_buffers)
+        t = time.perf_counter() - t0
+        assert len(list(d.glob("*.safetensors"))) == len(samples)
+        row(f"{Path(path).stem}: ENGINE, files written", tokens / t, f"{len(samples)} samples, {tokens:,} tokens, {t:.2f} s")
+        RESULTS["shards"][Path(path).stem] = {"samples": len(samples), "tokens": tokens, "engine_s": t}
+        shutil.rmtree(d, ignore_errors=True)
+    log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
+    for name, v, note in ROWS:
+        log(f"| {name} | {v:,.0f} | {note} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(RESULTS, indent=2))

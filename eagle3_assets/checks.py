@@ -8,7 +8,8 @@ from .core.drafter import load_checkpoint
 from .core.target import DTYPES, resolve_target
 from .core.verify import verify_shard
 from .core.vocab import load_vocab_map
-from .resources import layout, shards
+from .partitions import shards
+from .resources import layout
 from .settings import Settings
 
 

@@ -30,7 +30,29 @@ def _enter(args) -> Path:
     os.environ.setdefault("DAGSTER_HOME", str(root))
     if getattr(args, "settings", None):
         os.environ["EAGLE3_SETTINGS"] = str(Path(args.settings).resolve())
+    ensure_instance(Path(os.environ["DAGSTER_HOME"]))
     return root
+
+
+def ensure_instance(dagster_home: Path) -> None:
+    """Create the instance's storage once, under a lock, before anything else opens it.
+
+    With SQLite storage each process that opens a fresh instance creates its tables; two at
+    once (`eagle3 ui`'s webserver and daemon, and an `eagle3 run`) race and one fails with
+    "table ... already exists". The first `eagle3` command creates them here; the others wait
+    on the lock, then find them made. (Postgres storage does the same in one transaction.)"""
+    import fcntl
+
+    from dagster import DagsterInstance
+
+    lock_dir = dagster_home / ".eagle3"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "instance.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with DagsterInstance.from_config(str(dagster_home)) as instance:
+            instance.get_runs(limit=1)  # run storage
+            instance.get_asset_keys()  # event log index
+            instance.all_instigator_state()  # schedule storage
 
 
 def _instance():
@@ -43,42 +65,20 @@ def _instance():
 # eagle3 run
 
 
-def run_pipeline(defs, instance, log=print) -> bool:
-    """Materialize everything: prompts, then each shard (its own run, like a backfill), then the
-    vocab map, drafter and its evaluation. Failed shards are named; the rest still run."""
-    from .resources import shards
-
-    def execute(job_name: str, partition_key: str | None = None) -> bool:
-        label = job_name + (f"[{partition_key}]" if partition_key else "")
-        log(f"== {label}")
-        result = defs.resolve_job_def(job_name).execute_in_process(
-            instance=instance,
-            partition_key=partition_key,
-            raise_on_error=False,
-            # Progress and errors, not every engine event; the UI keeps the full log.
-            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
-        )
-        if not result.success:
-            log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")
-        return result.success
-
-    if not execute("prompts_job"):
-        return False
-    keys = instance.get_dynamic_partitions(shards.name)
-    failed = [k for k in keys if not execute("shard_job", k)]
-    if failed:
-        log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
-        return False
-    ok = execute("drafter_job")
-    log(summary(instance, keys))
-    return ok
-
-
 def cmd_run(args) -> int:
     _enter(args)
-    from .definitions import defs
+    from .definitions import SETTINGS, defs
+    from .pipeline import run_pipeline
 
-    return 0 if run_pipeline(defs, _instance(), log=lambda m: print(m, flush=True)) else 1
+    instance = _instance()
+    try:
+        ok = run_pipeline(defs, instance, SETTINGS, force=args.force, select=args.select,
+                          log=lambda m: print(m, flush=True))
+    except ValueError as e:  # a bad --select
+        print(f"eagle3 run: {e}", file=sys.stderr)
+        return 2
+    print(summary(instance, instance.get_dynamic_partitions("shards")), flush=True)
+    return 0 if ok else 1
 
 
 def _latest(instance, asset: str, partition: str | None = None) -> dict:
@@ -98,19 +98,22 @@ def _latest(instance, asset: str, partition: str | None = None) -> dict:
 
 
 def summary(instance, keys: list[str]) -> str:
-    lines = ["", "eagle3 summary", f"{'shard':<18} {'samples':>8} {'tokens':>10} {'tokens/s':>10} {'bytes on disk':>15}"]
+    """The latest figures of every shard and of the drafter, from the instance (what the UI shows)."""
+    lines = ["", "eagle3 summary",
+             f"{'shard':<18} {'samples':>8} {'answer tok/s':>13} {'tokens':>10} {'extract tok/s':>14} {'bytes on disk':>15}"]
     for k in keys:
-        m = _latest(instance, "hidden_states", k)
+        g, m = _latest(instance, "generations", k), _latest(instance, "hidden_states", k)
         lines.append(
-            f"{k:<18} {m.get('samples', '-'):>8} {m.get('tokens', '-'):>10} "
-            f"{_num(m.get('tokens_per_s')):>10} {m.get('bytes_on_disk', '-'):>15}"
+            f"{k:<18} {m.get('samples', '-'):>8} {_num(g.get('tokens_per_s')):>13} {m.get('tokens', '-'):>10} "
+            f"{_num(m.get('tokens_per_s')):>14} {m.get('bytes_on_disk', '-'):>15}"
         )
     d = _latest(instance, "drafter")
     e = _latest(instance, "drafter_eval")
     lines.append(f"drafter: {d.get('path', '-')}  (steps {d.get('steps', '-')}, final loss {d.get('final_loss', '-')})")
     lines.append(
-        f"acceptance length tau: {e.get('tau', '-')} over {e.get('prompts_used', '-')} MT-bench prompts "
-        f"(K={e.get('num_draft_tokens', '-')}, speed-up {e.get('speedup', '-')}x)"
+        f"acceptance length tau: {e.get('tau', '-')} over {e.get('prompts_used', '-')} prompts "
+        f"({', '.join(e.get('prompt_sets') or []) or '-'}; K={e.get('num_draft_tokens', '-')}, "
+        f"speed-up {e.get('speedup', '-')}x)"
     )
     return "\n".join(lines)
 
@@ -207,16 +210,21 @@ def cmd_report(args) -> int:
 
 def cmd_ui(args) -> int:
     root = _enter(args)
-    cmd = ["dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
-    os.execvp(cmd[0], cmd)
+    # This interpreter's own Dagster: `.venv/bin/eagle3 ui` works without activating the venv.
+    cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
+    os.execv(cmd[0], cmd)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="materialize every asset (prompts, each shard, vocab map, drafter, eval)")
+    r = sub.add_parser("run", help="materialize what is missing or stale (prompts, each shard, vocab map, drafter, eval)")
     r.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
+    r.add_argument("--force", action="store_true", help="redo every selected asset, stale or not")
+    r.add_argument("--select", action="append", metavar="ITEMS",
+                   help="only these assets and/or shards, comma-separated: e.g. hidden_states, rows_00000-02000, "
+                        "hidden_states[rows_00000-02000] (repeatable)")
     r.set_defaults(func=cmd_run)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")

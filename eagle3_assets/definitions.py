@@ -11,19 +11,30 @@ from dagster import AssetSelection, Definitions, define_asset_job
 
 from . import checks
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
+from .resources import resources
 from .settings import Settings, load_settings, settings_path_from_env
 
 STAGES = (prompts, generations, hidden_states, vocab_map, drafter, drafter_eval)
 
+# The jobs `eagle3 run` launches (and the UI offers): the prompt table, one shard, the drafter chain.
+JOBS = {
+    "prompts_job": ("prompts",),
+    "shard_job": ("generations", "hidden_states"),
+    "drafter_job": ("vocab_map", "drafter", "drafter_eval"),
+}
 
-def build_definitions(settings: Settings) -> Definitions:
-    assets = [stage.build(settings) for stage in STAGES]
-    jobs = [
-        define_asset_job("prompts_job", AssetSelection.assets("prompts")),
-        define_asset_job("shard_job", AssetSelection.assets("generations", "hidden_states")),
-        define_asset_job("drafter_job", AssetSelection.assets("vocab_map", "drafter", "drafter_eval")),
-    ]
-    return Definitions(assets=assets, asset_checks=checks.build(settings), jobs=jobs)
+
+def build_definitions(settings: Settings, launcher=None) -> Definitions:
+    """The code location for `settings`; `launcher` replaces the one the settings choose (tests)."""
+    res = resources(settings)
+    if launcher is not None:
+        res["launcher"] = launcher
+    return Definitions(
+        assets=[stage.build(settings) for stage in STAGES],
+        asset_checks=checks.build(settings),
+        jobs=[define_asset_job(name, AssetSelection.assets(*assets)) for name, assets in JOBS.items()],
+        resources=res,
+    )
 
 
 SETTINGS = load_settings(settings_path_from_env())

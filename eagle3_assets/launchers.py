@@ -1,146 +1,185 @@
-"""How the `hidden_states` asset launches one shard's extraction job, from the settings.
+"""Where the GPU jobs run: one interface, supplied to the assets as the Dagster resource `launcher`.
 
-- `launcher.kind: local` (default): a subprocess on this machine through
-  `PipesSubprocessClient`, under `torchrun` when `extraction.nproc > 1`.
-- `launcher.kind: kubernetes`: one pod per shard through `dagster_k8s.PipesK8sClient`;
-  the pod runs `torchrun` over its GPUs; rank 0 talks Pipes over the pod's logs.
+Both GPU jobs (hidden-state extraction per shard, drafter training) are a `GpuJob`: a Pipes
+entry module, its parameters (a config dataclass, sent as JSON in $EAGLE3_JOB_PARAMS) and a
+process count. A `Launcher` runs it through a Dagster Pipes client and returns the client's
+invocation, whose materialization the asset returns:
 
-The asset calls
+- `LocalLauncher` (`launcher.kind: local`, the default): a subprocess on this machine
+  (`PipesSubprocessClient`), under `torchrun` with one process per GPU when `nproc` > 1;
+- `KubernetesLauncher` (`launcher.kind: kubernetes`): one pod per job (`dagster_k8s.PipesK8sClient`)
+  that runs `torchrun` over its GPUs; rank 0 talks Pipes over the pod's logs.
 
-    pipes_client_for(settings).run(context=context, **launch_spec(settings, shard, params_json))
-
-where `params_json` is the job's `ExtractParams` as JSON (`$EAGLE3_EXTRACT_PARAMS`).
+`launcher_from_settings` picks one; `definitions.py` hands it to the assets, and a test or a
+deployment swaps it by passing another `launcher` resource.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
+from abc import ABC, abstractmethod
 from pathlib import PurePosixPath
 from typing import Any
 
+from .jobs import PARAMS_ENV
 from .launcher_settings import KubernetesSettings, LauncherSettings
-from .resources import launch_command
 
-JOB_MODULE = "eagle3_assets.jobs.extract_hidden_states"
-PARAMS_ENV = "EAGLE3_EXTRACT_PARAMS"
-CONTAINER_NAME = "extract-hidden-states"
 SHM_VOLUME = "eagle3-dshm"
-SHARD_LABEL = "eagle3.dev/shard"
 JOB_LABEL = "eagle3.dev/job"
 
 
-def launcher_settings(settings) -> LauncherSettings:
-    """The `launcher:` section; the local launcher for settings that have none."""
-    return getattr(settings, "launcher", None) or LauncherSettings()
+@dataclasses.dataclass(frozen=True)
+class GpuJob:
+    name: str  # "extract-hidden-states", "train-drafter": the container's name and the job label
+    module: str  # the Pipes entry point, run as `python -m module`
+    params: Any  # a config dataclass (ExtractJob, TrainJob), sent as JSON in $EAGLE3_JOB_PARAMS
+    nproc: int = 1  # processes, one per GPU; torchrun when > 1
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"eagle3.dev/shard": key}
+
+    @property
+    def params_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self.params))
 
 
-def pod_command(gpus: int) -> list[str]:
-    """The GPU pod's command: one process per GPU under torchrun (plain python for one GPU)."""
-    job = ["-m", JOB_MODULE]
-    if gpus == 1:
-        return ["python", *job]
-    return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={gpus}", *job]
+class Launcher(ABC):
+    """Runs a GPU job through Dagster Pipes; the job's rank 0 reports the materialization."""
+
+    @abstractmethod
+    def run(self, context, job: GpuJob):
+        """Launch `job` for the asset being materialized in `context`; returns the Pipes invocation."""
 
 
-def gpus_per_pod(settings) -> int:
-    k8s = launcher_settings(settings).kubernetes
-    return k8s.gpus_per_pod or settings.extraction.nproc
+class LocalLauncher(Launcher):
+    """A subprocess of the Dagster run: `python -m module`, or `torchrun` for several processes."""
 
+    def __init__(self, env: dict[str, str] | None = None):
+        self.env = dict(env or {})
 
-def pipes_client_for(settings):
-    """`PipesSubprocessClient` for the local launcher, `PipesK8sClient` for Kubernetes."""
-    launcher = launcher_settings(settings)
-    if launcher.kind == "local":
+    @staticmethod
+    def command(job: GpuJob) -> list[str]:
+        entry = ["-m", job.module]
+        if job.nproc == 1:
+            return [sys.executable, *entry]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}", *entry]
+
+    def run(self, context, job: GpuJob):
         from dagster import PipesSubprocessClient
 
-        return PipesSubprocessClient()
-    try:
-        from dagster_k8s import PipesK8sClient
-    except ImportError as e:
-        raise ImportError("launcher.kind is 'kubernetes' but dagster-k8s is not installed: pip install 'eagle3-assets[k8s]'") from e
-    k8s = launcher.kubernetes
-    return PipesK8sClient(
-        load_incluster_config=k8s.load_incluster_config,
-        kubeconfig_file=k8s.kubeconfig_file,
-        kube_context=k8s.kube_context,
-        poll_interval=k8s.poll_interval_s,
-    )
+        return PipesSubprocessClient().run(
+            context=context, command=self.command(job), env={**self.env, PARAMS_ENV: job.params_json}
+        )
 
 
-def launch_spec(settings, shard: str, params_json: str) -> dict[str, Any]:
-    """Keyword arguments of the Pipes client's `run` (besides `context`) for one shard."""
-    launcher = launcher_settings(settings)
-    if launcher.kind == "local":
-        return {"command": launch_command(JOB_MODULE, settings.extraction.nproc), "env": {PARAMS_ENV: params_json}}
-    k8s = launcher.kubernetes
-    check_paths_are_shared(k8s, json.loads(params_json))
-    # PipesK8sClient.run(context, extras, image, command, namespace, env, base_pod_meta, base_pod_spec,
-    # ignore_containers, enable_multi_container_logs, pod_wait_timeout, delete_pod_on_completion):
-    # command and env live in base_pod_spec; the client appends its Pipes bootstrap env to the first container.
-    return {
-        "image": k8s.image,
-        "namespace": k8s.namespace,
-        "base_pod_meta": build_pod_meta(settings, shard),
-        "base_pod_spec": build_pod_spec(settings, shard, params_json),
-        "pod_wait_timeout": k8s.pod_wait_timeout_s,
-        "delete_pod_on_completion": k8s.delete_pod_on_completion,
-    }
+class KubernetesLauncher(Launcher):
+    """One pod per job on the cluster, from the `launcher.kubernetes` settings."""
 
+    def __init__(self, settings: KubernetesSettings):
+        self.settings = settings
 
-def build_pod_meta(settings, shard: str) -> dict[str, Any]:
-    k8s = launcher_settings(settings).kubernetes
-    return {"labels": {**k8s.labels, JOB_LABEL: "extract-hidden-states", SHARD_LABEL: shard}}
+    def client(self):
+        try:
+            from dagster_k8s import PipesK8sClient
+        except ImportError as e:
+            raise ImportError(
+                "launcher.kind is 'kubernetes' but dagster-k8s is not installed: pip install 'eagle3-assets[k8s]'"
+            ) from e
+        k8s = self.settings
+        return PipesK8sClient(
+            load_incluster_config=k8s.load_incluster_config,
+            kubeconfig_file=k8s.kubeconfig_file,
+            kube_context=k8s.kube_context,
+            poll_interval=k8s.poll_interval_s,
+        )
 
+    def run(self, context, job: GpuJob):
+        return self.client().run(context=context, **self.launch_spec(job))
 
-def build_pod_spec(settings, shard: str, params_json: str) -> dict[str, Any]:
-    """The extraction pod's spec (Kubernetes PodSpec, camelCase) for one shard."""
-    k8s: KubernetesSettings = launcher_settings(settings).kubernetes
-    gpus = gpus_per_pod(settings)
-    quantities = {"cpu": k8s.resources.cpu, "memory": k8s.resources.memory, k8s.gpu_resource: str(gpus)}
-    env = [
-        {"name": PARAMS_ENV, "value": params_json},
-        {"name": "EAGLE3_SHARD", "value": shard},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},  # Pipes messages reach the pod log at once
-    ]
-    env += [{"name": k, "value": v} for k, v in sorted(k8s.env.items()) if k not in {e["name"] for e in env}]
-    volumes = [dict(v) for v in k8s.volumes]
-    mounts = [dict(m) for m in k8s.volume_mounts]
-    if k8s.shm_size:
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
-        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": k8s.image,
-        "imagePullPolicy": k8s.image_pull_policy,
-        "command": pod_command(gpus),
-        "env": env,
-        "resources": {"limits": dict(quantities), "requests": dict(quantities)},
-    }
-    if mounts:
-        container["volumeMounts"] = mounts
-    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
-    if volumes:
-        spec["volumes"] = volumes
-    if k8s.node_selector:
-        spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        spec["tolerations"] = [dict(t) for t in k8s.tolerations]
-    if k8s.service_account:
-        spec["serviceAccountName"] = k8s.service_account
-    return spec
+    def gpus(self, job: GpuJob) -> int:
+        return self.settings.gpus_per_pod or job.nproc
+
+    def launch_spec(self, job: GpuJob) -> dict[str, Any]:
+        """Keyword arguments of `PipesK8sClient.run` (besides `context`) for one job."""
+        k8s = self.settings
+        check_paths_are_shared(k8s, dataclasses.asdict(job.params))
+        # PipesK8sClient.run(context, extras, image, command, namespace, env, base_pod_meta, base_pod_spec,
+        # ignore_containers, enable_multi_container_logs, pod_wait_timeout, delete_pod_on_completion):
+        # command and env live in base_pod_spec; the client appends its Pipes bootstrap env to the first container.
+        return {
+            "image": k8s.image,
+            "namespace": k8s.namespace,
+            "base_pod_meta": self.pod_meta(job),
+            "base_pod_spec": self.pod_spec(job),
+            "pod_wait_timeout": k8s.pod_wait_timeout_s,
+            "delete_pod_on_completion": k8s.delete_pod_on_completion,
+        }
+
+    def pod_meta(self, job: GpuJob) -> dict[str, Any]:
+        return {"labels": {**self.settings.labels, JOB_LABEL: job.name, **job.labels}}
+
+    def pod_command(self, job: GpuJob) -> list[str]:
+        """One process per GPU under torchrun (plain python for one GPU)."""
+        gpus = self.gpus(job)
+        entry = ["-m", job.module]
+        if gpus == 1:
+            return ["python", *entry]
+        return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={gpus}", *entry]
+
+    def pod_spec(self, job: GpuJob) -> dict[str, Any]:
+        """The job's pod spec (Kubernetes PodSpec, camelCase)."""
+        k8s = self.settings
+        quantities = {"cpu": k8s.resources.cpu, "memory": k8s.resources.memory, k8s.gpu_resource: str(self.gpus(job))}
+        env = [
+            {"name": PARAMS_ENV, "value": job.params_json},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},  # Pipes messages reach the pod log at once
+        ]
+        env += [{"name": k, "value": v} for k, v in sorted(k8s.env.items()) if k not in {e["name"] for e in env}]
+        volumes = [dict(v) for v in k8s.volumes]
+        mounts = [dict(m) for m in k8s.volume_mounts]
+        if k8s.shm_size:
+            volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
+            mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+        container: dict[str, Any] = {
+            "name": job.name,
+            "image": k8s.image,
+            "imagePullPolicy": k8s.image_pull_policy,
+            "command": self.pod_command(job),
+            "env": env,
+            "resources": {"limits": dict(quantities), "requests": dict(quantities)},
+        }
+        if mounts:
+            container["volumeMounts"] = mounts
+        spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if volumes:
+            spec["volumes"] = volumes
+        if k8s.node_selector:
+            spec["nodeSelector"] = dict(k8s.node_selector)
+        if k8s.tolerations:
+            spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+        if k8s.service_account:
+            spec["serviceAccountName"] = k8s.service_account
+        return spec
 
 
 def check_paths_are_shared(k8s: KubernetesSettings, params: dict) -> None:
-    """The pod reads the generations and the model and writes the shard through a shared mount."""
+    """The pod reads its inputs and writes its outputs through a shared mount: every path the job
+    names (a `*_path`, `*_dir` or `*_dirs` parameter) must lie under one of the volume mounts."""
     mounts = [PurePosixPath(m["mountPath"]) for m in k8s.volume_mounts if "mountPath" in m]
-    for key in ("generations_path", "shard_dir", "model_dir"):
-        if key not in params:
+    for key, value in params.items():
+        if not key.endswith(("_path", "_dir", "_dirs")) or value is None:
             continue
-        path = PurePosixPath(params[key])
-        if not any(path == m or m in path.parents for m in mounts):
-            raise ValueError(
-                f"{key} {path} is not under any launcher.kubernetes.volume_mounts "
-                f"({', '.join(map(str, mounts)) or 'none'}): the GPU pod could not see it. Put storage_root, "
-                "the target model and model_cache_dir on the shared volume, mounted at the same path in the "
-                "Dagster run pods and in the GPU pods"
-            )
+        for path in map(PurePosixPath, value if isinstance(value, list) else [value]):
+            if not any(path == m or m in path.parents for m in mounts):
+                raise ValueError(
+                    f"{key} {path} is not under any launcher.kubernetes.volume_mounts "
+                    f"({', '.join(map(str, mounts)) or 'none'}): the GPU pod could not see it. Put storage_root, "
+                    "the target model and model_cache_dir on the shared volume, mounted at the same path in the "
+                    "Dagster run pods and in the GPU pods"
+                )
+
+
+def launcher_from_settings(launcher: LauncherSettings) -> Launcher:
+    if launcher.kind == "kubernetes":
+        return KubernetesLauncher(launcher.kubernetes)
+    return LocalLauncher()

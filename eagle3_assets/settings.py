@@ -4,83 +4,41 @@ Load it with `load_settings(path)`; with no path it is the embedded demo
 (`eagle3_assets/defaults/demo.yaml`): the real SmolLM2-135M-Instruct and a few
 hundred ShareGPT prompts, small enough for a laptop CPU. The class defaults are
 the production ones (2,000-row shards, full-length samples).
+
+Each stage's section is that stage's own config dataclass from `core/` (one name and
+one default per knob, defined once): `generation` is `GenerationConfig`, `extraction`
+`ExtractConfig`, `vocab` `VocabConfig`, `training` `TrainConfig`, `eval` `EvalConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .core.evaluate import EvalConfig
+from .core.extract_job import ExtractConfig
+from .core.generate import GenerationConfig
+from .core.prompts import EMBEDDED_PROMPTS
+from .core.target import EMBEDDED_MODEL
+from .core.train import TrainConfig
+from .core.vocab import VocabConfig
 from .launcher_settings import LauncherSettings
 
 DEMO_SETTINGS = Path(__file__).parent / "defaults" / "demo.yaml"
-EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
-EMBEDDED_PROMPTS = "embedded:sharegpt"
+GPU_SETTINGS = Path(__file__).parent / "defaults" / "gpu.yaml"
+__all__ = ["EMBEDDED_MODEL", "EMBEDDED_PROMPTS", "Settings", "SettingsError", "load_settings"]
 
 
-class _Strict(BaseModel):
+class Settings(BaseModel):
     # A typo in a settings key must fail loudly, not fall back to a default.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class GenerationSettings(_Strict):
-    engine: Literal["transformers", "vllm"] = "transformers"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    device: str = "auto"
-    batch_size: int = Field(32, ge=1)
-    max_new_tokens: int = Field(512, ge=1)
-    do_sample: bool = False
-    temperature: float = Field(0.7, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0
-    tensor_parallel_size: int = Field(1, ge=1)  # vLLM only
-
-
-class ExtractionSettings(_Strict):
-    # Hugging Face `hidden_states` convention: 0 = embeddings, j = output of layer j-1.
-    # None means the EAGLE-3 default [2, N//2, N-3] for an N-layer target.
-    aux_layer_ids: list[int] | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    batch_tokens: int = Field(16384, ge=1)  # tokens per forward (padded)
-    writer_threads: int = Field(4, ge=1)
-    nproc: int = Field(1, ge=1)  # >1 launches torchrun
-    parallel: Literal["data", "tensor"] = "data"
-
-
-class VocabSettings(_Strict):
-    draft_vocab_size: int = Field(32000, ge=1)
-
-
-class TrainingSettings(_Strict):
-    ttt_steps: int = Field(7, ge=1)
-    loss_decay: float = Field(0.8, gt=0, le=1)
-    lr: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(100, ge=0)
-    epochs: float = Field(1.0, gt=0)
-    batch_tokens: int = Field(8192, ge=1)
-    grad_clip: float = Field(0.5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    seed: int = 0
-    device: str = "auto"
-    nproc: int = Field(1, ge=1)  # >1 launches torchrun: DDP over that many processes
-    save_every: int = Field(50, ge=1)  # steps between saved training states (resume after a kill)
-
-
-class EvalSettings(_Strict):
-    num_prompts: int = Field(80, ge=1)  # MT-bench first turns
-    max_new_tokens: int = Field(256, ge=1)
-    num_draft_tokens: int = Field(7, ge=1)
-    device: str = "auto"
-
-
-class Settings(_Strict):
     target_model: str = EMBEDDED_MODEL  # a Hugging Face folder, a .gguf file, or the embedded model
     prompts_source: str = EMBEDDED_PROMPTS  # JSONL / JSON / Parquet, or the embedded ShareGPT set
     max_prompts: int | None = Field(None, ge=1)  # keep the first N usable prompts
@@ -88,19 +46,12 @@ class Settings(_Strict):
     shard_size: int = Field(2000, ge=1)
     storage_root: str = ".eagle3/data"
     model_cache_dir: str | None = None  # where a GGUF target is converted once; default ~/.cache
-    generation: GenerationSettings = GenerationSettings()
-    extraction: ExtractionSettings = ExtractionSettings()
-    vocab: VocabSettings = VocabSettings()
-    training: TrainingSettings = TrainingSettings()
-    eval: EvalSettings = EvalSettings()
-    launcher: LauncherSettings = LauncherSettings()  # where GPU jobs run: local (default) or Kubernetes
-
-    @model_validator(mode="after")
-    def _check(self) -> "Settings":
-        ids = self.extraction.aux_layer_ids
-        if ids is not None and (len(ids) != 3 or len(set(ids)) != 3):
-            raise ValueError(f"extraction.aux_layer_ids must be three distinct layer ids, got {ids}")
-        return self
+    generation: GenerationConfig = GenerationConfig()
+    extraction: ExtractConfig = ExtractConfig()
+    vocab: VocabConfig = VocabConfig()
+    training: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    launcher: LauncherSettings = LauncherSettings()  # where GPU jobs run: this machine (default) or Kubernetes
 
     @property
     def root(self) -> Path:
@@ -116,11 +67,25 @@ class Settings(_Strict):
 def _get(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
-    return obj.model_dump() if isinstance(obj, BaseModel) else obj
+    if isinstance(obj, BaseModel):
+        return obj.model_dump()
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
 class SettingsError(ValueError):
     pass
+
+
+def _message(err: dict) -> str:
+    """pydantic's message, except for a key that is not a setting: name the keys that are."""
+    if err["type"] not in ("extra_forbidden", "unexpected_keyword_argument"):
+        return err["msg"]
+    section: type = Settings
+    for part in err["loc"][:-1]:
+        hint = section.model_fields[part].annotation if issubclass(section, BaseModel) else None
+        section = hint if isinstance(hint, type) else section
+    keys = section.model_fields if issubclass(section, BaseModel) else [f.name for f in dataclasses.fields(section)]
+    return f"unknown key (the keys here are: {', '.join(keys)})"
 
 
 def load_settings(path: str | os.PathLike | None = None) -> Settings:
@@ -137,10 +102,10 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     try:
         settings = Settings(**raw)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        lines = [f"  {'.'.join(map(str, err['loc']))}: {_message(err)}" for err in e.errors()]
         raise SettingsError(f"settings file {path} is invalid:\n" + "\n".join(lines)) from None
     # Relative storage paths are relative to the settings file, so a run does not depend on cwd.
-    if not Path(settings.storage_root).expanduser().is_absolute() and path != DEMO_SETTINGS:
+    if not Path(settings.storage_root).expanduser().is_absolute() and path.parent != DEMO_SETTINGS.parent:
         settings = settings.model_copy(update={"storage_root": str((path.parent / settings.storage_root).resolve())})
     return settings
 

@@ -7,10 +7,13 @@ import shutil
 from collections import namedtuple
 
 import pytest
+
+from eagle3_assets_tests.tiny import extract_job
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.assets import generations, hidden_states, prompts
-from eagle3_assets.core.extract_job import ExtractParams, run_extraction
+from eagle3_assets.launchers import LocalLauncher
+from eagle3_assets.core.extract_job import run_extraction
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.core.prompts import read_prompts
 from eagle3_assets.core.shards import shard_range
@@ -27,7 +30,7 @@ def store(tiny_target, tmp_path):
     layout = Layout(tmp_path / "data")
     layout.generations(SHARD).parent.mkdir(parents=True)
     write_generations(layout.generations(SHARD), n=5)
-    run_extraction(ExtractParams(generations_path=str(layout.generations(SHARD)), shard_dir=str(layout.hidden_states(SHARD)),
+    run_extraction(extract_job(generations_path=str(layout.generations(SHARD)), shard_dir=str(layout.hidden_states(SHARD)),
                                  model_dir=str(tiny_target), target_name="tiny", dtype="float32", device="cpu"),
                    log=lambda m: None)
 
@@ -81,7 +84,7 @@ def test_bad_prompt_files_through_the_prompts_asset(store, tiny_target, tmp_path
 
 def test_missing_model_path(store, tmp_path):
     with pytest.raises(ValueError, match=r"^target model /no/such/model does not exist$"):
-        run_extraction(ExtractParams(generations_path=str(store.generations(SHARD)), shard_dir=str(store.hidden_states(SHARD)),
+        run_extraction(extract_job(generations_path=str(store.generations(SHARD)), shard_dir=str(store.hidden_states(SHARD)),
                                      model_dir="/no/such/model", target_name="x"), log=lambda m: None)
 
 
@@ -97,7 +100,7 @@ def test_model_folder_without_weights(store, tiny_target, tmp_path):
 
 def test_aux_layer_ids_out_of_range(store, tiny_target):
     with pytest.raises(ValueError, match=r"aux_layer_ids \[2, 3, 7\]: \[7\] out of range for a 6-layer target \(valid: 0..6"):
-        run_extraction(ExtractParams(generations_path=str(store.generations(SHARD)), shard_dir=str(store.hidden_states(SHARD)),
+        run_extraction(extract_job(generations_path=str(store.generations(SHARD)), shard_dir=str(store.hidden_states(SHARD)),
                                      model_dir=str(tiny_target), target_name="tiny", aux_layer_ids=[2, 3, 7],
                                      dtype="float32", device="cpu"), log=lambda m: None)
 
@@ -109,14 +112,16 @@ def test_shard_key_that_does_not_exist(store, tiny_target):
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("shards", [SHARD])
     with pytest.raises(Exception, match=r"rows_99999-99998"):
-        materialize([hidden_states.build(settings)], partition_key="rows_99999-99998", instance=instance)
+        materialize([hidden_states.build(settings)], partition_key="rows_99999-99998", instance=instance,
+                    resources={"launcher": LocalLauncher()})
 
 
 def test_shard_without_generations(store, tiny_target):
     settings = Settings(target_model=str(tiny_target), storage_root=str(store.root))
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("shards", ["rows_00005-00010"])
-    r = materialize([hidden_states.build(settings)], partition_key="rows_00005-00010", instance=instance, raise_on_error=False)
+    r = materialize([hidden_states.build(settings)], partition_key="rows_00005-00010", instance=instance,
+                    raise_on_error=False, resources={"launcher": LocalLauncher()})
     message = r.get_step_failure_events()[0].event_specific_data.error.cause.message
     assert "no generations for shard rows_00005-00010" in message and "materialize generations[rows_00005-00010] first" in message
 
@@ -136,7 +141,7 @@ def test_shard_rows_beyond_the_prompts(store, tiny_target, tmp_path):
 def test_settings_file_with_a_typo(store, tmp_path):
     f = tmp_path / "eagle3.yaml"
     f.write_text("generation:\n  max_new_tokns: 10\n")
-    with pytest.raises(ValueError, match=r"settings file .*eagle3.yaml is invalid:\n  generation.max_new_tokns: Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match=r"settings file .*eagle3.yaml is invalid:\n  generation.max_new_tokns: unknown key \(the keys here are: engine, .*max_new_tokens"):
         load_settings(f)
 
 
@@ -154,7 +159,7 @@ def test_disk_too_small_for_the_predicted_shard(store, tiny_target, monkeypatch)
     write_generations(gens, n=5, seed=9)
     try:
         with pytest.raises(OSError, match=r"shard rows_00005-00010 needs about [\d,]+ bytes \([\d.]+ GB\) but the filesystem of .* has 512 bytes"):
-            run_extraction(ExtractParams(generations_path=str(gens), shard_dir=str(store.hidden_states("rows_00005-00010")),
+            run_extraction(extract_job(generations_path=str(gens), shard_dir=str(store.hidden_states("rows_00005-00010")),
                                          model_dir=str(tiny_target), target_name="tiny", dtype="float32", device="cpu"),
                            log=lambda m: None)
     finally:

@@ -5,7 +5,8 @@ from dagster import DagsterInstance, materialize
 
 from eagle3_assets import checks
 from eagle3_assets.assets import hidden_states
-from eagle3_assets.core.hidden_states import sample_file
+from eagle3_assets.launchers import LocalLauncher
+from eagle3_assets.core.sample_files import sample_file
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.core.verify import verify_shard
 from eagle3_assets.settings import Settings
@@ -35,7 +36,8 @@ def test_truncated_or_garbage_file_fails_the_check_and_a_rerun_repairs_it(tiny_t
     asset, shard_check = hidden_states.build(settings), checks.build(settings)[0]
 
     def run():
-        return materialize([asset, shard_check], partition_key=SHARD, instance=instance, raise_on_error=False)
+        return materialize([asset, shard_check], partition_key=SHARD, instance=instance, raise_on_error=False,
+                           resources={"launcher": LocalLauncher()})
 
     assert check_result(run()).passed
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 from dagster import AssetKey
 
 from eagle3_assets.definitions import build_definitions
@@ -31,6 +33,18 @@ def test_a_settings_change_changes_exactly_the_affected_code_versions():
         return {k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys()}
 
     base = Settings()
-    changed = versions(base.model_copy(update={"vocab": base.vocab.model_copy(update={"draft_vocab_size": 1000})}))
     same = versions(base)
+    changed = versions(base.model_copy(update={"vocab": dataclasses.replace(base.vocab, draft_vocab_size=1000)}))
     assert {k for k in same if same[k] != changed[k]} == {"vocab_map", "drafter"}
+    changed = versions(base.model_copy(update={"eval": dataclasses.replace(base.eval, workers=4)}))
+    assert {k for k in same if same[k] != changed[k]} == {"drafter_eval"}
+
+
+def test_assets_are_grouped_and_kinded_so_the_graph_reads_at_a_glance():
+    graph = build_definitions(load_settings()).resolve_asset_graph()
+    groups = {k.to_user_string(): graph.get(k).group_name for k in graph.get_all_asset_keys()}
+    assert groups == {"prompts": "data", "generations": "data", "hidden_states": "features", "vocab_map": "features",
+                      "drafter": "drafter", "drafter_eval": "drafter"}
+    kinds = {k.to_user_string(): graph.get(k).kinds for k in graph.get_all_asset_keys()}
+    assert kinds["hidden_states"] == {"pytorch", "safetensors"} and kinds["prompts"] == {"parquet"}
+    assert all(kinds.values())

@@ -11,15 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.hidden_states import (
-    KEYS,
-    extract_samples,
-    lean_supported,
-    plan_packs,
-    sample_file,
-    validate_sample,
-    write_sample,
-)
+from eagle3_assets.core.sample_files import KEYS, sample_file, validate_sample, write_sample
+from eagle3_assets.core.extract_engine import extract_samples, plan_packs
+from eagle3_assets.core.lean_forward import lean_supported
 
 from .tiny import TINY_VOCAB, make_tiny_llama
 
@@ -121,9 +115,9 @@ def test_writer_matches_safetensors_bytes(tmp_path):
 
 
 def test_writer_error_surfaces(base_model, tmp_path):
-    missing = tmp_path / "no" / "such" / "dir"
+    (tmp_path / "not_a_dir").write_text("a file where the shard folder should be")
     with pytest.raises(OSError):
         extract_samples(
-            base_model, _samples()[:3], missing, aux_layer_ids=[2, 3, 3], dtype=torch.float32,
+            base_model, _samples()[:3], tmp_path / "not_a_dir", aux_layer_ids=[2, 3, 3], dtype=torch.float32,
             batch_tokens=16, writer_threads=2, metadata=META, staging_buffers=1,
         )

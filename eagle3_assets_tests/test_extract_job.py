@@ -4,12 +4,14 @@ import os
 
 import polars as pl
 import pytest
+
+from eagle3_assets_tests.tiny import extract_job
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from eagle3_assets.core.extract_job import ExtractParams, run_extraction
-from eagle3_assets.core.hidden_states import MANIFEST, DiskSpaceError, read_sample, sample_file
+from eagle3_assets.core.extract_job import run_extraction
+from eagle3_assets.core.sample_files import DiskSpaceError, MANIFEST, read_sample, sample_file
 from eagle3_assets.core.target import TargetModelError
 
 
@@ -34,7 +36,7 @@ def params(tiny_target, tmp_path, **kw):
                 target_name="tiny", dtype="float32", device="cpu", batch_tokens=64, writer_threads=2,
                 progress_every_s=0.05)
     base.update(kw)
-    return ExtractParams(**base)
+    return extract_job(**base)
 
 
 def test_shard_files_match_hugging_face_hidden_states(tiny_target, tmp_path):

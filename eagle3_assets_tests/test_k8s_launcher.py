@@ -1,4 +1,4 @@
-"""The Kubernetes launcher of the extraction job, and the infra files that go with it.
+"""The launchers of the GPU jobs (extraction and training), and the infra files that go with them.
 
 No cluster here: the pod the launcher builds is passed through dagster-k8s's own
 `build_pod_body` (what `PipesK8sClient.run` sends to the API server) and validated against the
@@ -8,6 +8,7 @@ Helm values are checked for what they claim against the key names of the officia
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -16,12 +17,14 @@ import kubernetes
 import kubernetes_validate
 import pytest
 import yaml
-from dagster import PipesSubprocessClient
 from dagster_k8s import PipesK8sClient
 from dagster_k8s.pipes import build_pod_body
 from pydantic import ValidationError
 
 from eagle3_assets import launchers
+from eagle3_assets.core.config import from_json
+from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob
+from eagle3_assets.core.train import TrainConfig, TrainJob
 from eagle3_assets.launcher_settings import KubernetesSettings, LauncherSettings
 from eagle3_assets.settings import Settings
 
@@ -30,36 +33,28 @@ K8S_VERSION = "1.33.0"
 SHARD = "rows_00000-02000"
 
 
-class SettingsWithLauncher(Settings):
-    """`Settings` with the `launcher:` section, as settings.py declares it once the field is added."""
-
-    launcher: LauncherSettings = LauncherSettings()
+def k8s_launcher(**kubernetes_section) -> launchers.KubernetesLauncher:
+    return launchers.KubernetesLauncher(KubernetesSettings(**kubernetes_section))
 
 
-def k8s_settings(**kubernetes_section) -> SettingsWithLauncher:
-    return SettingsWithLauncher(
-        storage_root="/data/eagle3",
-        extraction={"nproc": 8},
-        launcher={"kind": "kubernetes", "kubernetes": kubernetes_section},
+def extract(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
+    job = ExtractJob(
+        generations_path=f"{root}/eagle3/generations/{SHARD}.parquet",
+        shard_dir=f"{root}/eagle3/hidden_states/{SHARD}",
+        model_dir=f"{root}/models/Llama-3.1-8B-Instruct",
+        target_name=f"{root}/models/Llama-3.1-8B-Instruct",
+        config=ExtractConfig(nproc=nproc),
     )
+    return launchers.GpuJob("extract-hidden-states", "eagle3_assets.jobs.extract_hidden_states", job, nproc=nproc,
+                            labels={"eagle3.dev/shard": SHARD})
 
 
-def params_json(root: str = "/data") -> str:
-    return json.dumps(
-        {
-            "generations_path": f"{root}/eagle3/generations/{SHARD}.parquet",
-            "shard_dir": f"{root}/eagle3/hidden_states/{SHARD}",
-            "model_dir": f"{root}/models/Llama-3.1-8B-Instruct",
-            "target_name": f"{root}/models/Llama-3.1-8B-Instruct",
-            "aux_layer_ids": None,
-            "dtype": "bfloat16",
-            "device": "auto",
-            "batch_tokens": 16384,
-            "writer_threads": 4,
-            "parallel": "data",
-            "progress_every_s": 5.0,
-        }
-    )
+def train(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
+    job = TrainJob(shard_dirs=[f"{root}/eagle3/hidden_states/{SHARD}"], target_model_dir=f"{root}/models/m",
+                   vocab_map_path=f"{root}/eagle3/vocab_map/vocab_map.safetensors", out_dir=f"{root}/eagle3/drafter",
+                   aux_layer_ids=[2, 16, 29], draft_vocab_size=32000, config=TrainConfig(nproc=nproc),
+                   state_path=f"{root}/eagle3/drafter_state/train_state.pt")
+    return launchers.GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=nproc)
 
 
 def pod_as_sent(spec_kwargs: dict) -> dict:
@@ -79,29 +74,34 @@ def validate(obj: dict) -> None:
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-def test_local_launcher_is_the_default():
-    s = SettingsWithLauncher(extraction={"nproc": 2})
-    assert isinstance(launchers.pipes_client_for(s), PipesSubprocessClient)
-    assert isinstance(launchers.pipes_client_for(Settings()), PipesSubprocessClient)  # settings without the section
-    spec = launchers.launch_spec(s, SHARD, "{}")
-    assert spec["env"] == {"EAGLE3_EXTRACT_PARAMS": "{}"}
-    assert spec["command"][-4:] == ["--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.jobs.extract_hidden_states"]
-    inspect.signature(PipesSubprocessClient.run).bind(PipesSubprocessClient(), context=None, **spec)
+def test_local_launcher_is_the_default_and_runs_torchrun_for_several_processes():
+    assert isinstance(launchers.launcher_from_settings(Settings().launcher), launchers.LocalLauncher)
+    job = extract(nproc=2)
+    assert launchers.LocalLauncher.command(job)[-4:] == [
+        "--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    assert launchers.LocalLauncher.command(train(nproc=1))[1:] == ["-m", "eagle3_assets.jobs.train_drafter"]
+    # the parameters round-trip through JSON into the job's own config classes
+    assert from_json(ExtractJob, job.params_json) == job.params
+    assert from_json(TrainJob, train().params_json) == train().params
 
 
 def test_kubernetes_launcher_is_chosen_from_the_settings():
-    s = k8s_settings(poll_interval_s=3.0, kube_context="gpu-cluster")
-    client = launchers.pipes_client_for(s)
+    s = Settings(launcher={"kind": "kubernetes", "kubernetes": {"poll_interval_s": 3.0, "kube_context": "gpu-cluster"}})
+    launcher = launchers.launcher_from_settings(s.launcher)
+    assert isinstance(launcher, launchers.KubernetesLauncher)
+    client = launcher.client()
     assert isinstance(client, PipesK8sClient)
     assert client.poll_interval == 3.0 and client.kube_context == "gpu-cluster"
-    spec = launchers.launch_spec(s, SHARD, params_json())
-    # every key is a parameter of the installed PipesK8sClient.run
-    inspect.signature(PipesK8sClient.run).bind(client, context=None, **spec)
-    assert spec["image"] == "eagle3-assets:latest" and spec["pod_wait_timeout"] == 24 * 3600
+    for job in (extract(), train()):
+        spec = launcher.launch_spec(job)
+        # every key is a parameter of the installed PipesK8sClient.run
+        inspect.signature(PipesK8sClient.run).bind(client, context=None, **spec)
+        assert spec["image"] == "eagle3-assets:latest" and spec["pod_wait_timeout"] == 24 * 3600
 
 
-def test_pod_spec_validates_against_the_kubernetes_schema():
-    s = k8s_settings(
+@pytest.mark.parametrize("make_job", [extract, train], ids=["extraction", "training"])
+def test_pod_spec_validates_against_the_kubernetes_schema(make_job):
+    launcher = k8s_launcher(
         image="registry.example.com/eagle3-assets:0.1.0",
         namespace="eagle3",
         node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
@@ -109,17 +109,17 @@ def test_pod_spec_validates_against_the_kubernetes_schema():
         env={"HF_HUB_OFFLINE": "1"},
         resources={"cpu": "96", "memory": "1024Gi"},
     )
-    spec = launchers.launch_spec(s, SHARD, params_json())
-    pod = pod_as_sent(spec)
+    job = make_job()
+    pod = pod_as_sent(launcher.launch_spec(job))
     validate(pod)
     c = pod["spec"]["containers"][0]
-    assert c["command"] == [
-        "torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "eagle3_assets.jobs.extract_hidden_states"
-    ]
+    assert c["name"] == job.name
+    assert c["command"] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", job.module]
     env = [e["name"] for e in c["env"]]
     assert len(env) == len(set(env))  # the client appends its Pipes env; nothing is set twice
-    assert {"EAGLE3_EXTRACT_PARAMS", "DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES", "HF_HUB_OFFLINE"} <= set(env)
-    assert json.loads(next(e["value"] for e in c["env"] if e["name"] == "EAGLE3_EXTRACT_PARAMS")) == json.loads(params_json())
+    assert {"EAGLE3_JOB_PARAMS", "DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES", "HF_HUB_OFFLINE"} <= set(env)
+    sent = next(e["value"] for e in c["env"] if e["name"] == "EAGLE3_JOB_PARAMS")
+    assert from_json(type(job.params), sent) == job.params
     assert c["resources"]["limits"] == {"cpu": "96", "memory": "1024Gi", "nvidia.com/gpu": "8"}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert pod["spec"]["restartPolicy"] == "Never"
@@ -128,12 +128,13 @@ def test_pod_spec_validates_against_the_kubernetes_schema():
     assert pod["spec"]["serviceAccountName"] == "eagle3-runs"
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/dev/shm"}
     assert {v["name"] for v in pod["spec"]["volumes"]} == {m["name"] for m in c["volumeMounts"]}
-    assert pod["metadata"]["labels"]["eagle3.dev/shard"] == SHARD
+    assert pod["metadata"]["labels"]["eagle3.dev/job"] == job.name
+    assert pod["metadata"]["labels"].get("eagle3.dev/shard") == job.labels.get("eagle3.dev/shard")
 
 
 def test_one_gpu_pod_runs_python_and_gpu_count_follows_the_settings():
-    s = k8s_settings(gpus_per_pod=1, shm_size=None, volumes=[], volume_mounts=[{"name": "x", "mountPath": "/data"}])
-    spec = launchers.build_pod_spec(s, SHARD, params_json())
+    launcher = k8s_launcher(gpus_per_pod=1, shm_size=None, volumes=[], volume_mounts=[{"name": "x", "mountPath": "/data"}])
+    spec = launcher.pod_spec(extract())
     c = spec["containers"][0]
     assert c["command"] == ["python", "-m", "eagle3_assets.jobs.extract_hidden_states"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "volumes" not in spec
@@ -141,7 +142,7 @@ def test_one_gpu_pod_runs_python_and_gpu_count_follows_the_settings():
 
 def test_the_validator_is_a_real_one():
     """A pod with a snake_case key or a wrong type is refused: the schema check is not vacuous."""
-    good = pod_as_sent(launchers.launch_spec(k8s_settings(), SHARD, params_json()))
+    good = pod_as_sent(k8s_launcher().launch_spec(extract()))
     validate(good)
     bad = json.loads(json.dumps(good))
     bad["spec"]["containers"][0]["volume_mounts"] = bad["spec"]["containers"][0].pop("volumeMounts")
@@ -155,11 +156,12 @@ def test_the_validator_is_a_real_one():
 
 def test_paths_off_the_shared_volume_are_refused():
     with pytest.raises(ValueError, match="shard_dir /scratch/eagle3/hidden_states"):
-        launchers.launch_spec(
-            k8s_settings(),
-            SHARD,
-            json.dumps({"generations_path": "/data/g.parquet", "shard_dir": f"/scratch/eagle3/hidden_states/{SHARD}"}),
-        )
+        job = extract()
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(
+            job.params, shard_dir=f"/scratch/eagle3/hidden_states/{SHARD}")))
+    with pytest.raises(ValueError, match="shard_dirs /scratch/x"):
+        job = train()
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, shard_dirs=["/scratch/x"])))
 
 
 def test_launcher_settings_are_strict():
@@ -173,10 +175,10 @@ def test_launcher_settings_are_strict():
 def test_pod_template_is_what_the_launcher_builds():
     doc = yaml.safe_load((ROOT / "infra/k8s/pod-template.yaml").read_text())
     validate(doc)
-    params = next(e["value"] for e in doc["spec"]["containers"][0]["env"] if e["name"] == "EAGLE3_EXTRACT_PARAMS")
-    s = k8s_settings()
-    assert doc["spec"] == launchers.build_pod_spec(s, SHARD, params)
-    assert doc["metadata"]["labels"] == launchers.build_pod_meta(s, SHARD)["labels"]
+    params = next(e["value"] for e in doc["spec"]["containers"][0]["env"] if e["name"] == "EAGLE3_JOB_PARAMS")
+    job = dataclasses.replace(extract(), params=from_json(ExtractJob, params))
+    assert doc["spec"] == k8s_launcher().pod_spec(job)
+    assert doc["metadata"]["labels"] == k8s_launcher().pod_meta(job)["labels"]
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from eagle3_assets_tests.tiny import extract_job
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.assets import hidden_states
-from eagle3_assets.core.extract_job import ExtractParams
-from eagle3_assets.core.hidden_states import MANIFEST
+from eagle3_assets.launchers import LocalLauncher
+from eagle3_assets.core.sample_files import MANIFEST
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.settings import Settings
 
@@ -76,7 +78,8 @@ def test_sigkill_at_several_points_then_rerun_completes_the_shard(shard_setup):
         killed_at, stop = [], threading.Event()
         killer = threading.Thread(target=kill_at, args=(shard, thresholds, killed_at, stop))
         killer.start()
-        result = materialize([asset], partition_key=SHARD, instance=instance, raise_on_error=False)
+        result = materialize([asset], partition_key=SHARD, instance=instance, raise_on_error=False,
+                             resources={"launcher": LocalLauncher()})
         stop.set()
         killer.join()
         assert len(killed_at) == len(thresholds), f"killed at {killed_at}, wanted {thresholds}"
@@ -93,8 +96,8 @@ def test_sigkill_at_several_points_then_rerun_completes_the_shard(shard_setup):
     assert len([f for f in files if f.suffix == ".safetensors"]) == 160
 
 
-def run_job(params: ExtractParams, nproc: int) -> None:
-    env = {**os.environ, "EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
+def run_job(params, nproc: int) -> None:
+    env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
     job = ["-m", "eagle3_assets.jobs.extract_hidden_states"]
     cmd = [sys.executable, *job] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job
@@ -107,8 +110,8 @@ def test_two_gloo_processes_write_the_same_files_as_one(tiny_target, tmp_path):
     write_generations(gens, n=12, seed=2)
     common = dict(generations_path=str(gens), model_dir=str(tiny_target), target_name="tiny",
                   dtype="float32", device="cpu", batch_tokens=1, writer_threads=2)
-    run_job(ExtractParams(shard_dir=str(tmp_path / "one"), **common), 1)
-    run_job(ExtractParams(shard_dir=str(tmp_path / "two"), **common), 2)
+    run_job(extract_job(shard_dir=str(tmp_path / "one"), **common), 1)
+    run_job(extract_job(shard_dir=str(tmp_path / "two"), **common), 2)
     one = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
     two = sorted(p.name for p in (tmp_path / "two").glob("*.safetensors"))
     assert one == two and len(one) == 12
@@ -127,8 +130,8 @@ def test_two_gloo_processes_tensor_parallel_match_one_within_float_tolerance(tin
     write_generations(gens, n=6, seed=4)
     common = dict(generations_path=str(gens), model_dir=str(tiny_target), target_name="tiny",
                   dtype="float32", device="cpu", batch_tokens=64, writer_threads=2)
-    run_job(ExtractParams(shard_dir=str(tmp_path / "one"), **common), 1)
-    run_job(ExtractParams(shard_dir=str(tmp_path / "tp"), parallel="tensor", **common), 2)
+    run_job(extract_job(shard_dir=str(tmp_path / "one"), **common), 1)
+    run_job(extract_job(shard_dir=str(tmp_path / "tp"), parallel="tensor", **common), 2)
     one = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
     assert one == sorted(p.name for p in (tmp_path / "tp").glob("*.safetensors")) and len(one) == 6
     for name in one:
@@ -148,9 +151,9 @@ def test_a_second_run_of_the_same_shard_refuses_while_the_first_writes(tiny_targ
     gens = tmp_path / "g.parquet"
     write_generations(gens, n=8, seed=5)
     shard = tmp_path / "shard"
-    params = ExtractParams(generations_path=str(gens), shard_dir=str(shard), model_dir=str(tiny_target),
+    params = extract_job(generations_path=str(gens), shard_dir=str(shard), model_dir=str(tiny_target),
                            target_name="tiny", dtype="float32", device="cpu")
-    env = {**os.environ, "EAGLE3_EXTRACT_PARAMS": json.dumps(asdict(params))}
+    env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params))}
     cmd = [sys.executable, "-m", "eagle3_assets.jobs.extract_hidden_states"]
     with shard_lock(shard):
         (shard).mkdir(parents=True, exist_ok=True)

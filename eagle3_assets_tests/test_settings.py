@@ -16,7 +16,7 @@ def test_production_default_shard_size_is_2000():
 def test_typo_in_a_key_is_refused_with_its_name(tmp_path):
     f = tmp_path / "s.yaml"
     f.write_text("shard_szie: 10\n")
-    with pytest.raises(SettingsError, match=r"shard_szie: Extra inputs are not permitted"):
+    with pytest.raises(SettingsError, match=r"shard_szie: unknown key \(the keys here are: target_model, .*shard_size"):
         load_settings(f)
 
 
@@ -52,3 +52,30 @@ def test_missing_settings_file():
     with pytest.raises(SettingsError, match="does not exist"):
         load_settings("/no/such.yaml")
     assert DEMO_SETTINGS.is_file()
+
+
+def test_each_stage_section_is_that_stage_s_config_with_one_default_per_knob():
+    """The settings sections are the core configs themselves: a knob has one name and one default."""
+    from eagle3_assets.core.evaluate import EvalConfig
+    from eagle3_assets.core.extract_job import ExtractConfig
+    from eagle3_assets.core.generate import GenerationConfig
+    from eagle3_assets.core.train import TrainConfig
+    from eagle3_assets.core.vocab import VocabConfig
+
+    s = Settings()
+    assert (s.generation, s.extraction, s.vocab, s.training, s.eval) == (
+        GenerationConfig(), ExtractConfig(), VocabConfig(), TrainConfig(), EvalConfig())
+    assert load_settings().training.warmup_steps == 10 and TrainConfig().warmup_steps == 100
+
+
+def test_core_imports_neither_dagster_nor_the_settings_module():
+    import ast
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parents[1] / "eagle3_assets" / "core"
+    for f in core.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("dagster") and "settings" not in name, f"{f.name} imports {name}"

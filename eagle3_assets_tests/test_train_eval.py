@@ -7,6 +7,7 @@ from eagle3_assets.core.drafter import DrafterConfig, Eagle3Drafter, load_checkp
 from eagle3_assets.core.evaluate import load_mtbench_first_turns, measure_acceptance
 from eagle3_assets.core.train import (
     TrainConfig,
+    TrainJob,
     learning_rate,
     list_samples,
     load_batch,
@@ -139,14 +140,18 @@ def test_ttt_loss_is_the_soft_cross_entropy_on_shifted_positions():
     assert float(total) == pytest.approx(want_total, rel=1e-5)
 
 
+def train_job(world, out, cfg, **kw) -> TrainJob:
+    return TrainJob([str(world["shard"])], str(world["model_dir"]), str(world["vocab_path"]), str(out),
+                    aux_layer_ids=AUX, draft_vocab_size=64, config=cfg, **kw)
+
+
 @pytest.fixture(scope="module")
 def trained(world):
-    cfg = TrainConfig(lr=3e-3, warmup_steps=5, max_steps=80, batch_tokens=4096, steps_ttt=3,
+    cfg = TrainConfig(lr=3e-3, warmup_steps=5, max_steps=80, batch_tokens=4096, ttt_steps=3,
                       log_every=1000, acc_window=10, seed=0, checkpoint_dtype="float32")
     out = world["root"] / "drafter"
     logs = []
-    metrics = train_drafter([world["shard"]], world["model_dir"], world["vocab_path"], out,
-                            aux_layer_ids=AUX, draft_vocab_size=64, cfg=cfg, log=logs.append)
+    metrics = train_drafter(train_job(world, out, cfg), log=logs.append)
     return {"metrics": metrics, "out": out, "logs": logs, "cfg": cfg}
 
 
@@ -168,11 +173,11 @@ def test_paused_training_continues_to_the_same_weights(world, tmp_path):
     from safetensors.torch import load_file
 
     def run(name, **kw):
-        cfg = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=6, batch_tokens=256, steps_ttt=2, log_every=1000,
-                          seed=0, checkpoint_dtype="float32", state_path=str(tmp_path / "state.pt"), **kw)
+        cfg = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=6, batch_tokens=256, ttt_steps=2, log_every=1000,
+                          seed=0, checkpoint_dtype="float32")
         logs = []
-        m = train_drafter([world["shard"]], world["model_dir"], world["vocab_path"], tmp_path / name,
-                          aux_layer_ids=AUX, draft_vocab_size=64, cfg=cfg, log=logs.append)
+        m = train_drafter(train_job(world, tmp_path / name, cfg, state_path=str(tmp_path / "state.pt"), **kw),
+                          log=logs.append)
         return m, logs
 
     whole, _ = run("whole")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from eagle3_assets.core.drafter import load_checkpoint
-from eagle3_assets.core.train import TrainConfig
+from eagle3_assets.core.train import TrainConfig, TrainJob
 from eagle3_assets.core.vocab import build_vocab_map, count_tokens, save_vocab_map
 
 from .tiny import write_hidden_state_shard
@@ -35,8 +35,9 @@ def setup(tiny_target: Path, tmp_path: Path) -> dict:
     }
 
 
-def job(params: dict, cfg: TrainConfig, nproc: int = 1, **popen) -> subprocess.Popen:
-    env = {**os.environ, "EAGLE3_TRAIN_PARAMS": json.dumps({**params, "cfg": asdict(cfg)}), "OMP_NUM_THREADS": "1"}
+def job(params: dict, cfg: TrainConfig, nproc: int = 1, state_path=None, stop_after_s=None, **popen) -> subprocess.Popen:
+    train = TrainJob(**params, config=cfg, state_path=state_path and str(state_path), stop_after_s=stop_after_s)
+    env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(train)), "OMP_NUM_THREADS": "1"}
     mod = ["-m", "eagle3_assets.jobs.train_drafter"]
     cmd = [sys.executable, *mod] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *mod]
@@ -46,9 +47,9 @@ def job(params: dict, cfg: TrainConfig, nproc: int = 1, **popen) -> subprocess.P
 def test_killed_training_resumes_from_its_last_state(tiny_target, tmp_path):
     params = setup(tiny_target, tmp_path)
     state = tmp_path / "state" / "train_state.pt"
-    cfg = TrainConfig(max_steps=400, batch_tokens=128, warmup_steps=2, lr=1e-3, state_path=str(state),
-                      save_every=10, log_every=10, steps_ttt=3)
-    first = job(params, cfg, start_new_session=True)
+    cfg = TrainConfig(max_steps=400, batch_tokens=128, warmup_steps=2, lr=1e-3, save_every=10, log_every=10,
+                      ttt_steps=3)
+    first = job(params, cfg, state_path=state, start_new_session=True)
     deadline = time.time() + 180
     while not state.exists() and time.time() < deadline and first.poll() is None:
         time.sleep(0.05)
@@ -59,7 +60,7 @@ def test_killed_training_resumes_from_its_last_state(tiny_target, tmp_path):
     assert 10 <= saved < 400, "the state must come from the middle of the run"
     assert not (tmp_path / "drafter" / "model.safetensors").exists()
 
-    second = job(params, cfg)
+    second = job(params, cfg, state_path=state)
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out
     assert f"resumed from {state} at step {saved} of 400" in out
@@ -70,7 +71,7 @@ def test_killed_training_resumes_from_its_last_state(tiny_target, tmp_path):
 
 def test_ddp_over_two_gloo_ranks_trains_and_saves_one_checkpoint(tiny_target, tmp_path):
     params = setup(tiny_target, tmp_path)
-    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, steps_ttt=2, log_every=1)
+    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, ttt_steps=2, log_every=1)
     p = job(params, cfg, nproc=2)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
@@ -80,17 +81,16 @@ def test_ddp_over_two_gloo_ranks_trains_and_saves_one_checkpoint(tiny_target, tm
 
 def test_ddp_ranks_pause_together_and_resume(tiny_target, tmp_path):
     """stop_after_s under DDP: both ranks pause at the same step (rank 0's clock decides for
-    both), rank 0 keeps the state, and the next run resumes from it on both ranks."""
+    both), rank 0 keeps the state and fails the job with a message that says so (the drafter is
+    not done), and the next run resumes from it on both ranks."""
     params = setup(tiny_target, tmp_path)
     state = tmp_path / "train_state.pt"
-    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, steps_ttt=2, log_every=1,
-                      state_path=str(state), stop_after_s=0.0)
-    p = job(params, cfg, nproc=2)
+    cfg = TrainConfig(max_steps=6, batch_tokens=128, warmup_steps=1, ttt_steps=2, log_every=1)
+    p = job(params, cfg, nproc=2, state_path=state, stop_after_s=0.0)
     out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out
-    assert "paused after 1 steps" in out and state.exists()
-    cfg.stop_after_s = None
-    p = job(params, cfg, nproc=2)
+    assert p.returncode != 0, out
+    assert "paused after 1 steps" in out and "training paused after step 1 of 6" in out and state.exists()
+    p = job(params, cfg, nproc=2, state_path=state)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     assert f"resumed from {state} at step 1 of 6" in out and not state.exists()

@@ -1,6 +1,6 @@
 """Operate the graph from the Dagster UI, in a real browser (headless Chromium driven by Playwright).
 
-`dagster dev` (webserver + daemon) runs on a temporary project root holding copies of the repo's
+`eagle3 ui` (`dagster dev`: webserver + daemon) runs on a temporary project root holding copies of the repo's
 dagster.yaml and workspace.yaml, on the embedded target (the real SmolLM2-135M-Instruct) with a
 tiny prompt set: 4 prompts in 2 shards of 2. `prompts` is materialized in-process on the same
 instance so that the dynamic shard partitions exist; everything after that goes through the
@@ -48,6 +48,7 @@ import pytest
 import yaml
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
+from eagle3_assets.cli import ensure_instance
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.settings import load_settings
 
@@ -172,14 +173,15 @@ def ui_project(tmp_path, monkeypatch):
     env = {**os.environ, "DAGSTER_HOME": str(project), "EAGLE3_SETTINGS": str(settings_path)}
     log_path = tmp_path / "dagster-dev.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml", "-p", str(port)],
+    proc = subprocess.Popen(  # `eagle3 ui`: `dagster dev` on the project, its storage made first
+        [sys.executable, "-m", "eagle3_assets.cli", "ui", "--port", str(port)],
         cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     monkeypatch.chdir(project)  # dagster.yaml's storage paths are relative to the project root
     monkeypatch.setenv("DAGSTER_HOME", str(project))
     monkeypatch.setenv("EAGLE3_SETTINGS", str(settings_path))
     try:
+        ensure_instance(project)  # as every eagle3 command does: one creator of the storage, under a lock
         instance = DagsterInstance.get()
         # While the webserver starts: `prompts`, in-process on the same instance (creates the shards).
         defs = build_definitions(load_settings(settings_path))

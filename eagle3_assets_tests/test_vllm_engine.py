@@ -12,6 +12,7 @@ EOS / `stop_token_ids`, the stop token kept in `token_ids`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -25,7 +26,7 @@ from eagle3_assets.core import engines
 from eagle3_assets.core.generate import GENERATION_SCHEMA, generate_shard, template_ids
 from eagle3_assets.core.target import load_model, load_tokenizer
 from eagle3_assets.core.vllm_engine import generate_shard_vllm
-from eagle3_assets.settings import GenerationSettings
+from eagle3_assets.core.generate import GenerationConfig
 
 # vllm/sampling_params.py: the user-settable fields of SamplingParams.
 SAMPLING_FIELDS = {
@@ -180,12 +181,12 @@ def test_dispatch_follows_the_engine_setting(tiny, tmp_path, monkeypatch):
     target, model, _ = tiny
     fake = make_fake_vllm(greedy_like_vllm(model))
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    gen = GenerationSettings(engine="vllm", max_new_tokens=4, tensor_parallel_size=4, dtype="float32", seed=3)
+    gen = GenerationConfig(engine="vllm", max_new_tokens=4, tensor_parallel_size=4, dtype="float32", seed=3)
     run = engines.generate(gen, target, PROMPTS, tmp_path / "v.parquet")
     assert run.engine == "vllm" and fake.calls["llm"][-1]["tensor_parallel_size"] == 4
     assert run.result.samples == 4 and run.model_load_s >= 0
 
-    run_hf = engines.generate(gen.model_copy(update={"engine": "transformers", "device": "cpu"}), target, PROMPTS,
+    run_hf = engines.generate(dataclasses.replace(gen, engine="transformers", device="cpu"), target, PROMPTS,
                               tmp_path / "t.parquet")
     assert run_hf.engine == "transformers" and run_hf.device == "cpu"
     assert pl.read_parquet(tmp_path / "t.parquet").to_dicts() == pl.read_parquet(tmp_path / "v.parquet").to_dicts()

@@ -131,3 +131,12 @@ def greedy_continuation(model, prompt_ids: list[int], new_tokens: int) -> list[i
         nxt = model(ids).logits[0, -1].argmax()
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return ids[0, len(prompt_ids):].tolist()
+
+
+def extract_job(**kw):
+    """An `ExtractJob` from flat keyword arguments: the job's paths and its config's knobs."""
+    from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob
+
+    paths = {"generations_path", "shard_dir", "model_dir", "target_name"}
+    return ExtractJob(**{k: v for k, v in kw.items() if k in paths},
+                      config=ExtractConfig(**{k: v for k, v in kw.items() if k not in paths}))

@@ -4,52 +4,56 @@ import json
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from ..core.drafter import load_checkpoint
-from ..core.evaluate import load_mtbench_first_turns, measure_acceptance
+from ..core.evaluate import EvalJob, evaluate
 from ..core.files import atomic_write_text
-from ..core.target import load_model, load_tokenizer, resolve_target
+from ..core.target import resolve_target
+from ..policies import GPU_POOL
 from ..resources import layout
 from ..settings import Settings
 
-CODE_VERSION = "1"
+CODE_VERSION = "2"
 SETTINGS_USED = ("target_model", "eval")
 
 
 def build(settings: Settings):
     paths = layout(settings)
-    ev = settings.eval
 
     @asset(
         name="drafter_eval",
+        group_name="drafter",
+        kinds={"pytorch", "json"},
         deps=["drafter"],
+        pool=GPU_POOL,
         code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
         description="Acceptance length tau of the drafter: the target verifies chains of drafted tokens.",
     )
     def drafter_eval(context: AssetExecutionContext) -> MaterializeResult:
-        model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
-        target = load_model(model_dir, "float32", ev.device)
-        tok = load_tokenizer(model_dir)
-        drafter = load_checkpoint(paths.drafter, target.get_input_embeddings().weight.detach()).to(target.device)
-        prompts = load_mtbench_first_turns()[: ev.num_prompts]
-        r = measure_acceptance(
-            target, tok, drafter, prompts, ev.max_new_tokens, ev.num_draft_tokens, drafter.config.aux_layer_ids
-        )
+        job = EvalJob(str(resolve_target(settings.target_model, settings.model_cache_dir)), str(paths.drafter),
+                      settings.eval)
+        r = evaluate(job, log=context.log.info)
         atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
-        context.log.info(f"tau {r['tau']:.3f} over {r['verify_steps']} verification steps, speed-up {r['speedup']:.2f}x")
+        per_set = {f"tau_{name}": round(s["tau"], 4) for name, s in r["sets"].items()}
+        optional = {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
+                    for k in ("speedup", "spec_s", "greedy_s", "speedup_prompts", "greedy_check_matches",
+                              "greedy_check_prompts") if k in r}
         return MaterializeResult(
             metadata={
                 "tau": round(r["tau"], 4),
+                **per_set,
                 **{f"acceptance_pos_{i}": round(a, 4) for i, a in enumerate(r["per_position_acceptance"])},
                 "per_position_acceptance": MetadataValue.json([round(a, 4) for a in r["per_position_acceptance"]]),
+                "tau_by_category": MetadataValue.json(
+                    {name: {c: round(t, 4) for c, t in s["tau_by_category"].items()} for name, s in r["sets"].items()}),
                 "prompts_used": r["prompts_used"],
                 "new_tokens": r["new_tokens"],
                 "verify_steps": r["verify_steps"],
-                "speedup": round(r["speedup"], 3),
-                "spec_s": round(r["spec_s"], 3),
-                "greedy_s": round(r["greedy_s"], 3),
-                "matches_greedy": r["matches_greedy"],
-                "num_draft_tokens": ev.num_draft_tokens,
-                "prompt_set": "MT-bench first turns (flexeval)",
+                **optional,
+                "num_draft_tokens": settings.eval.num_draft_tokens,
+                "prompt_sets": MetadataValue.json(list(r["sets"])),
+                "workers": r["workers"],
+                "dtype": r["dtype"],
+                "acceptance_s": round(r["acceptance_s"], 2),
+                "eval_s": round(r["eval_s"], 2),
                 "path": MetadataValue.path(str(paths.drafter_eval)),
             }
         )

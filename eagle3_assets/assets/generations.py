@@ -1,29 +1,39 @@
 """`generations[shard]`: the target's own answers, as token ids + loss mask."""
 
+import hashlib
+import json
+
 import polars as pl
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
 
 from ..core.engines import generate
 from ..core.shards import shard_range
 from ..core.target import resolve_target
-from ..resources import GPU_POOL, GPU_RETRY, layout, shards
+from ..partitions import shards
+from ..policies import GPU_POOL, GPU_RETRY
+from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "generation")
 
 
+FORCE_TAG = "eagle3/force"  # set by `eagle3 run --force`: recompute even what could be reused
+
+
 def build(settings: Settings):
     paths = layout(settings)
-    gen = settings.generation
+    code_version = f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}"
 
     @asset(
         name="generations",
+        group_name="data",
+        kinds={"pytorch", "parquet"},
         deps=["prompts"],
         partitions_def=shards,
         pool=GPU_POOL,
         retry_policy=GPU_RETRY,
-        code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
+        code_version=code_version,
         description="The target's answers per shard (Parquet: row_id, input_ids, loss_mask).",
     )
     def generations(context: AssetExecutionContext) -> MaterializeResult:
@@ -34,9 +44,19 @@ def build(settings: Settings):
                 f"shard {context.partition_key} expects rows {start}..{end - 1} but prompts has {len(rows)} of them; "
                 "materialize `prompts` again"
             )
-        model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
         out = paths.generations(context.partition_key)
-        run = generate(gen, model_dir, rows, out, log=context.log.info)
+        rows_sha256 = hashlib.sha256(json.dumps(rows.select("row_id", "system", "prompt").rows()).encode()).hexdigest()
+        # The prompt table changed (e.g. prompts were appended) but not this shard's rows, and the
+        # code and settings are the same: the answers on disk are the ones we would compute.
+        previous = _latest_metadata(context)
+        if (previous.get("rows_sha256") == rows_sha256 and previous.get("code_version") == code_version
+                and out.is_file() and FORCE_TAG not in context.run.tags):
+            context.log.info(f"shard {context.partition_key}: its prompt rows are unchanged; keeping {out}")
+            return MaterializeResult(metadata={"samples": previous["samples"], "tokens": previous["tokens"],
+                                               "reused": True, "rows_sha256": rows_sha256, "code_version": code_version,
+                                               "path": MetadataValue.path(str(out))})
+        model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
+        run = generate(settings.generation, model_dir, rows, out, log=context.log.info)
         result = run.result
         return MaterializeResult(
             metadata={
@@ -49,8 +69,20 @@ def build(settings: Settings):
                 "model_load_s": round(run.model_load_s, 3),
                 "engine": run.engine,
                 "device": run.device,
+                **run.extra_metadata,
+                "reused": False,
+                "rows_sha256": rows_sha256,
+                "code_version": code_version,
                 "path": MetadataValue.path(str(out)),
             }
         )
 
     return generations
+
+
+def _latest_metadata(context: AssetExecutionContext) -> dict:
+    flt = AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=[context.partition_key])
+    records = context.instance.fetch_materializations(flt, limit=1).records
+    if not records:
+        return {}
+    return {k: getattr(v, "value", v) for k, v in records[0].asset_materialization.metadata.items()}

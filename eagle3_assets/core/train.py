@@ -1,116 +1,116 @@
 """Train the EAGLE-3 drafter on extracted hidden states (nanoGPT-style: the loop is the code).
 
-Inputs: shard directories in the hidden-state file contract (one safetensors file per sample:
-input_ids, loss_mask, aux_hidden_states, last_hidden_state), the target's folder (for its
-embeddings and lm_head only), and the vocab map. Output: an official EAGLE-3 checkpoint.
+Inputs: shard directories in the hidden-state file contract (`sample_files.py`), the target's
+folder (its embeddings and lm_head only), and the vocab map. Output: an official EAGLE-3
+checkpoint. `train_drafter` reads as a table of contents: set up, build the model, the data
+and the optimizer, restore a saved state, then the loop, each step one call to a named helper.
 
 The loss is the official `traineagle3` one: at TTT step k the drafter's distribution at index
 t is fitted (soft cross-entropy) to the target's distribution over the draft vocabulary at
 position t+k+1, i.e. for token t+k+2; positions whose target argmax is outside the draft
 vocabulary are masked; total = sum_k loss_decay^k * loss_k.
+
+Training is resumable: the full state (weights, optimizer, step, curve, training time so far)
+is saved every `save_every` steps and when a run is stopped on purpose (SIGTERM, or
+`TrainJob.stop_after_s` for a time-limited slot); the next run with the same data and config
+continues it, and `time_budget_s` counts the training time of all the runs, so the LR schedule
+spans them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Annotated, Callable, Iterator, Literal
 
-import polars as pl
+from annotated_types import Ge, Le
+
 import torch
 from safetensors import safe_open
 
-from eagle3_assets.core.drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
-from eagle3_assets.core.vocab import load_vocab_map
+from .config import STRICT, Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from .distributed import Dist, setup
+from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
+from .files import atomic_path
+from .sample_files import SampleRef, list_samples, read_sample_slices
+from .vocab import load_vocab_map
 
-MANIFEST = "manifest.parquet"
 
-
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    steps_ttt: int = 7
-    loss_decay: float = 0.8
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 50
-    max_steps: int = 1000  # optimizer steps (one batch each); epochs repeat as needed
-    batch_tokens: int = 8192  # max padded tokens per batch (B * T_max)
-    grad_clip: float = 0.5
-    weight_decay: float = 0.0
+    """The `training:` section of the settings."""
+
+    __pydantic_config__ = STRICT
+    ttt_steps: PositiveInt = 7  # unrolled training-time-test steps (the official code and SpecForge: 7)
+    loss_decay: Fraction = 0.8  # step k's loss weighs loss_decay**k
+    lr: PositiveFloat = 1e-4
+    min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: NonNegativeInt = 100
+    epochs: PositiveFloat = 1.0  # passes over the data, unless max_steps is set
+    max_steps: PositiveInt | None = None  # optimizer steps; None: epochs x batches per epoch
+    # Training seconds in all (over every run of a resumed training); the cosine schedule ends
+    # fully decayed at whichever of max_steps and the budget comes first.
+    time_budget_s: PositiveFloat | None = None
+    batch_tokens: PositiveInt = 8192  # max padded tokens per batch (B * T_max) and rank
+    grad_clip: PositiveFloat = 0.5
+    weight_decay: NonNegativeFloat = 0.0
     seed: int = 0
-    max_length: int = 2048  # longer samples are truncated
-    device: str = "cpu"
-    log_every: int = 10
-    acc_window: int = 50  # per-step accuracy is measured over the last this many batches
-    checkpoint_dtype: str = "bfloat16"
-    # Keep every sample in memory (on `device`) after one read, instead of reading each batch
-    # from disk: on a GPU with room for the shards this removes the per-step file reads.
-    preload: bool = False
-    # Resumable training: the full state (weights, optimizer, step, history) is saved to
-    # `state_path` every `save_every` steps; a run that finds a matching state resumes from it.
-    state_path: str | None = None
-    save_every: int = 50
-    # Stop after this many seconds of training even if max_steps is not reached; the LR schedule
-    # then follows the larger of the step and time fractions, so it still ends fully decayed.
-    time_budget_s: float | None = None
-    # Pause: stop this run after this many seconds of training and keep the state (with the
-    # training time so far) for the next run to continue; unlike time_budget_s it leaves the
-    # schedule alone, so one run can span several time-limited slots.
+    max_length: Annotated[int, Ge(2)] | None = None  # longer samples are truncated; None keeps them whole
+    device: str = "auto"
+    nproc: PositiveInt = 1  # > 1: DDP over that many processes (torchrun)
+    # Keep every sample in device memory after one read instead of reading each batch from
+    # disk; None: on CUDA when the sample files take less than half of the free memory.
+    preload: bool | None = None
+    save_every: PositiveInt = 50  # steps between saved states (a killed run resumes from the last)
+    log_every: PositiveInt = 10
+    acc_window: PositiveInt = 50  # per-step accuracy is measured over the last this many batches
+    checkpoint_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training run: what it reads and writes, and its config."""
+
+    shard_dirs: list[str]
+    target_model_dir: str
+    vocab_map_path: str
+    out_dir: str
+    aux_layer_ids: list[int]
+    draft_vocab_size: int
+    config: TrainConfig = field(default_factory=TrainConfig)
+    state_path: str | None = None  # where the resumable state lives; None: not resumable
+    # Pause this run after this many seconds of its own and keep the state (a time-limited slot).
     stop_after_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: stream sample files in length-bucketed, right-padded batches
+# Data: length-bucketed, right-padded batches, streamed from disk or from preloaded samples
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class SampleRef:
-    path: Path
-    tokens: int
-
-
-def list_samples(shard_dirs: list[str | Path]) -> list[SampleRef]:
-    """Sample files of each shard: from its manifest when present, else a glob."""
-    refs = []
-    for shard_dir in map(Path, shard_dirs):
-        if not shard_dir.is_dir():
-            raise FileNotFoundError(f"hidden-state shard directory not found: {shard_dir}")
-        manifest = shard_dir / MANIFEST
-        if manifest.exists():
-            df = pl.read_parquet(manifest, columns=["file", "tokens"])
-            for file, tokens in df.iter_rows():
-                path = Path(file) if Path(file).is_absolute() else shard_dir / file
-                refs.append(SampleRef(path, int(tokens)))
-        else:
-            for path in sorted(shard_dir.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
-                    refs.append(SampleRef(path, f.get_slice("input_ids").get_shape()[0]))
-    if not refs:
-        raise ValueError(f"no hidden-state samples found in {[str(d) for d in shard_dirs]}")
-    return refs
-
-
-def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int, rng: random.Random) -> list[list[SampleRef]]:
+def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random) -> list[list[SampleRef]]:
     """Shuffle, then sort within pools of ~64 batches by length and cut batches whose padded
     size (count * longest) stays within batch_tokens; the batch order is shuffled again.
     Sorting only within a pool keeps batches similar in length without a fixed order."""
     order = refs[:]
     rng.shuffle(order)
-    mean_len = sum(min(r.tokens, max_length) for r in refs) / len(refs)
+    mean_len = sum(_capped(r.tokens, max_length) for r in refs) / len(refs)
     pool_size = max(1, int(64 * batch_tokens / max(mean_len, 1)))
     batches = []
     for start in range(0, len(order), pool_size):
         pool = sorted(order[start : start + pool_size], key=lambda r: r.tokens)
         batch, longest = [], 0
         for ref in pool:
-            length = min(ref.tokens, max_length)
+            length = _capped(ref.tokens, max_length)
             if batch and max(longest, length) * (len(batch) + 1) > batch_tokens:
                 batches.append(batch)
                 batch, longest = [], 0
@@ -122,14 +122,13 @@ def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int, rng: r
     return batches
 
 
-def load_batch(batch: list[SampleRef], max_length: int) -> dict[str, torch.Tensor]:
+def _capped(tokens: int, max_length: int | None) -> int:
+    return tokens if max_length is None else min(tokens, max_length)
+
+
+def load_batch(batch: list[SampleRef], max_length: int | None) -> dict[str, torch.Tensor]:
     """Read a batch from disk and right-pad it; `lengths` gives each sample's true length."""
-    samples = []
-    for ref in batch:
-        with safe_open(str(ref.path), framework="pt") as f:
-            samples.append({key: f.get_slice(key)[:max_length] for key in
-                            ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")})
-    return pad_batch(samples)
+    return pad_batch([read_sample_slices(ref.path, max_length) for ref in batch])
 
 
 def batches_forever(
@@ -149,14 +148,9 @@ def batches_forever(
             index += 1
 
 
-def preload_samples(refs: list[SampleRef], max_length: int, device: torch.device) -> dict:
+def preload_samples(refs: list[SampleRef], max_length: int | None, device: torch.device) -> dict:
     """Read every sample once (truncated to max_length) onto `device`: path -> tensors."""
-    cache = {}
-    for ref in refs:
-        with safe_open(str(ref.path), framework="pt") as f:
-            cache[ref.path] = {key: f.get_slice(key)[:max_length].to(device) for key in
-                               ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")}
-    return cache
+    return {ref.path: {k: v.to(device) for k, v in read_sample_slices(ref.path, max_length).items()} for ref in refs}
 
 
 def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
@@ -295,226 +289,286 @@ def window_accuracy(window) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop
+# Schedule and stopping
 # ---------------------------------------------------------------------------------------------
 
 
-def learning_rate(step: int, cfg: TrainConfig, time_fraction: float = 0.0) -> float:
+def learning_rate(step: int, cfg: TrainConfig, max_steps: int | None = None, time_fraction: float = 0.0) -> float:
     """Linear warm-up, then cosine decay to lr * min_lr_ratio at max_steps (nanoGPT's get_lr).
-    `time_fraction` (elapsed / time budget) ends the decay early when time runs out first."""
+    `time_fraction` (training time / time budget) ends the decay early when time runs out first."""
+    max_steps = max_steps or cfg.max_steps or 1
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
     progress = max(progress, time_fraction)
     coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + coeff * (1.0 - cfg.min_lr_ratio))
 
 
-def train_drafter(
-    shard_dirs: list[str | Path],
-    target_model_dir: str | Path,
-    vocab_map_path: str | Path,
-    out_dir: str | Path,
-    aux_layer_ids: list[int],
-    draft_vocab_size: int,
-    cfg: TrainConfig,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Train a drafter for `cfg.max_steps` optimizer steps and save it to `out_dir`."""
+class StopClock:
+    """Answers "stop now, and why?" for every rank, from rank 0's clock.
+
+    - "time_budget": the training time of all runs reached `time_budget_s`; the schedule is
+      complete, so training is finished;
+    - "paused": this run was asked to stop (SIGTERM, or `stop_after_s` of its own time): the
+      state is kept for the next run.
+    With several ranks the clock and the stop request are read from rank 0 every `log_every`
+    steps (a broadcast waits for the GPU); one rank stopping alone would hang the others in
+    the gradient all-reduce.
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: Dist, trained_before_s: float, stop_after_s: float | None):
+        self.cfg, self.dist, self.stop_after_s = cfg, dist, stop_after_s
+        self.run_start = time.perf_counter()
+        self.start = self.run_start - trained_before_s  # training time counts over resumed runs
+        self.stop_requested = threading.Event()
+        self._trained_s = trained_before_s
+        self._run_s = 0.0
+        self._requested = False
+
+    @property
+    def trained_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def time_fraction(self) -> float:
+        return self._trained_s / self.cfg.time_budget_s if self.cfg.time_budget_s else 0.0
+
+    def check(self, step: int, first_step: int) -> str | None:
+        if self.dist.world == 1 or (step - first_step) % self.cfg.log_every == 0:
+            now = time.perf_counter()
+            self._trained_s, self._run_s, requested = self.dist.from_rank0(
+                [now - self.start, now - self.run_start, float(self.stop_requested.is_set())])
+            self._requested = bool(requested)
+        if self.time_fraction() >= 1.0:
+            return "time_budget"
+        if step > first_step and (self._requested or (self.stop_after_s is not None and self._run_s >= self.stop_after_s)):
+            return "paused"  # never before the run's first step: every run makes progress
+        return None
+
+
+def _stop_on_sigterm(clock: StopClock):
+    """SIGTERM (a preempted or time-limited job) stops at the next step with the state saved."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: clock.stop_requested.set())
+# ---------------------------------------------------------------------------------------------
+# The run, one named step at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def build_draft_model(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter (frozen target embeddings, the vocab map set) and the target's lm_head, on `device`."""
     from transformers import AutoConfig
 
-    torch.manual_seed(cfg.seed)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if rank != 0:
-        log = lambda msg: None  # noqa: E731 (rank 0 reports for all)
-    use_bf16 = device.type == "cuda"
-
-    # -- model -------------------------------------------------------------------------------
-    d2t, t2d = load_vocab_map(vocab_map_path)
-    if d2t.numel() != draft_vocab_size:
-        raise ValueError(f"vocab map {vocab_map_path} has {d2t.numel()} draft tokens, expected draft_vocab_size={draft_vocab_size}")
-    embed, lm_head, _ = load_target_head(target_model_dir)
-    config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_model_dir), draft_vocab_size, aux_layer_ids)
+    d2t, t2d = load_vocab_map(job.vocab_map_path)
+    if d2t.numel() != job.draft_vocab_size:
+        raise ValueError(f"vocab map {job.vocab_map_path} has {d2t.numel()} draft tokens, "
+                         f"expected draft_vocab_size={job.draft_vocab_size}")
+    embed, lm_head, _ = load_target_head(job.target_model_dir)
+    config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(job.target_model_dir), job.draft_vocab_size,
+                                              job.aux_layer_ids)
     model = Eagle3Drafter(config, embed)
     model.set_vocab_map(d2t, t2d)
     model.to(device)
-    model.embed_tokens = model.embed_tokens.to(torch.bfloat16 if use_bf16 else torch.float32)
-    target_head = lm_head.to(device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
-    t2d = model.t2d
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen tensors: no master copy needed
+    model.embed_tokens = model.embed_tokens.to(low)
+    return model, lm_head.to(device=device, dtype=low)
 
-    refs = list_samples(shard_dirs)
-    log(f"train: {len(refs)} samples, {sum(r.tokens for r in refs):,} tokens, "
-        f"{sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}")
-    preload_s = 0.0
-    cache = None
-    if cfg.preload:
-        t_pre = time.perf_counter()
-        cache = preload_samples(refs, cfg.max_length, device)
-        preload_s = time.perf_counter() - t_pre
-        log(f"train: preloaded {len(cache)} samples onto {device} in {preload_s:.1f} s")
 
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+def plan_steps(cfg: TrainConfig, refs: list[SampleRef], world: int) -> tuple[int, int]:
+    """(batches per epoch, optimizer steps): `max_steps`, else `epochs` passes over the data."""
+    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed)))
+    return batches, cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / world))
+
+
+def build_data(refs: list[SampleRef], cfg: TrainConfig, dist: Dist, start_step: int, log):
+    """The batch stream of this rank from `start_step`; samples preloaded onto the device when
+    `preload` says so (None: on CUDA when they take under half of the free memory)."""
+    preload = cfg.preload
+    if preload is None:
+        preload = dist.device.type == "cuda" and (
+            sum(r.path.stat().st_size for r in refs) < 0.5 * torch.cuda.mem_get_info(dist.device)[0])
+    cache, preload_s = None, 0.0
+    if preload:
+        t0 = time.perf_counter()
+        cache = preload_samples(refs, cfg.max_length, dist.device)
+        preload_s = time.perf_counter() - t0
+        log(f"train: preloaded {len(cache)} samples onto {dist.device} in {preload_s:.1f} s")
+    return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world), preload_s
+
+
+def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, batch: dict, cfg: TrainConfig, device):
+    """The TTT forward on one batch and its loss: (loss, per-step losses, per-step top-1 tallies)."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
+    # The target's distribution, from its stored final hidden state: lm_head(last).
+    target_p, target_in_draft = target_distribution(batch["last_hidden_state"], target_head, t2d)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        step_logits = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps)
+    return ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
+
+
+def run_backward_and_update(loss: torch.Tensor, model, optimizer, lr: float, cfg: TrainConfig) -> torch.Tensor:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return grad_norm
+
+
+@dataclass
+class Progress:
+    """What the run has done so far: saved in the state, reported at the end."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    loss_history: list[float] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)  # the logged points: step, time, loss, lr, accuracy
+
+
+def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
+    """Train a drafter until max_steps or the time budget (or a pause) and save it to `job.out_dir`."""
+    cfg = job.config
+    torch.manual_seed(cfg.seed)
+    dist = setup(cfg.device)
+    device = dist.device
+    if not dist.main:
+        log = lambda msg: None  # noqa: E731 (rank 0 reports for all)
+
+    # -- model, data plan, optimizer ---------------------------------------------------------
+    model, target_head = build_draft_model(job, device)
+    refs = list_samples(job.shard_dirs)
+    batches_per_epoch, max_steps = plan_steps(cfg, refs, dist.world)
+    log(f"train: {len(refs)} samples, {sum(r.tokens for r in refs):,} tokens, {batches_per_epoch} batches per epoch, "
+        f"{max_steps} steps, {sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    loss_history, tokens_seen = [], 0
-    curve: list[dict] = []  # the logged points: step, time, loss, per-step accuracy
+
+    # -- resume --------------------------------------------------------------------------------
+    fingerprint = state_fingerprint(refs, job, dist.world)
+    progress, trained_before_s = Progress(), 0.0
+    state = load_state(job.state_path, fingerprint, device)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        progress = Progress(state["step"], state["tokens_seen"], state["loss_history"], state["curve"])
+        trained_before_s = state["train_s"]
+        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the GPU
+        log(f"train: resumed from {job.state_path} at step {progress.step} of {max_steps} "
+            f"({trained_before_s:.0f} s trained so far)")
+    resumed_from = progress.step
+    data, preload_s = build_data(refs, cfg, dist, resumed_from, log)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.world > 1 else model
+    clock = StopClock(cfg, dist, trained_before_s, job.stop_after_s)
+    previous_handler = _stop_on_sigterm(clock)
     window: deque[torch.Tensor] = deque(maxlen=cfg.acc_window)  # [steps, 2] tallies per batch
     pending: list[torch.Tensor] = []  # losses still on the device, read back at log/save points
 
     def flush_losses() -> None:
         if pending:
-            loss_history.extend(torch.stack(pending).tolist())
+            progress.loss_history.extend(torch.stack(pending).tolist())
             pending.clear()
-    start_step = 0
-    fingerprint = _state_fingerprint(refs, cfg, draft_vocab_size, aux_layer_ids, world)
-    state = _load_state(cfg.state_path, fingerprint, device)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
-        loss_history, curve = state["loss_history"], state["curve"]
-        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the GPU
-        log(f"train: resumed from {cfg.state_path} at step {start_step} of {cfg.max_steps}")
-    data = batches_forever(refs, cfg, cache, start_step, rank, world)
-    t_run = time.perf_counter()
-    # Training time counts over resumed runs, so a time budget spans them all.
-    t0 = t_run - (state.get("train_s", 0.0) if state is not None else 0.0)
-    steps_done, paused = start_step, False
 
-    for step in range(start_step, cfg.max_steps):
-        if world == 1 or (step - start_step) % cfg.log_every == 0:
-            now = time.perf_counter()
-            trained_s, run_s = _elapsed_on_rank0([now - t0, now - t_run], world, device)
-        time_fraction = trained_s / cfg.time_budget_s if cfg.time_budget_s else 0.0
-        if time_fraction >= 1.0:
-            log(f"train: time budget of {cfg.time_budget_s:.0f} s reached after {step} steps")
-            break
-        if cfg.stop_after_s is not None and run_s >= cfg.stop_after_s and step > start_step:  # never 0 steps
-            paused = True
-            log(f"train: paused after {step} steps ({cfg.stop_after_s:.0f} s for this run)")
-            break
-        lr = learning_rate(step, cfg, time_fraction)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    def save_state() -> None:
+        flush_losses()
+        write_state(job.state_path, fingerprint, model, optimizer, progress, clock.trained_s)
 
-        batch = next(data)
-        batch_tokens = int(batch["lengths"].sum())  # lengths stay on the CPU: no sync
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
-        # The target's distribution, from its stored final hidden state: lm_head(last).
-        target_p, target_in_draft = target_distribution(batch["last_hidden_state"], target_head, t2d)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            step_logits = ddp(
-                batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.steps_ttt
-            )
-        loss, step_losses, tallies = ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
+    # -- the loop -------------------------------------------------------------------------------
+    stopped = "max_steps"
+    try:
+        for step in range(resumed_from, max_steps):
+            # termination conditions (besides max_steps)
+            reason = clock.check(step, resumed_from)
+            if reason:
+                stopped = reason
+                log(f"train: {'time budget reached' if reason == 'time_budget' else 'paused'} after {step} steps "
+                    f"({clock.trained_s:.0f} s of training in all)")
+                break
+            lr = learning_rate(step, cfg, max_steps, clock.time_fraction())
+            batch = next(data)
+            batch_tokens = int(batch["lengths"].sum())  # lengths stay on the CPU: no sync
+            loss, step_losses, tallies = run_forward(ddp, target_head, model.t2d, batch, cfg, device)
+            grad_norm = run_backward_and_update(loss, model, optimizer, lr, cfg)
 
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+            progress.step = step + 1
+            progress.tokens_seen += dist.sum(batch_tokens)
+            pending.append(loss.detach())
+            window.append(tallies)
+            if step % cfg.log_every == 0 or step == max_steps - 1:
+                flush_losses()
+                elapsed = clock.trained_s
+                progress.curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5), "lr": lr,
+                                       "accuracy": [round(a, 4) for a in window_accuracy(window)],
+                                       "tokens_seen": progress.tokens_seen})
+                log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
+                    f"acc {' '.join(f'{a:.2f}' for a in window_accuracy([tallies]))} | lr {lr:.2e} | "
+                    f"grad {float(grad_norm):.2f} | {progress.tokens_seen / elapsed:,.0f} tok/s")
+            if job.state_path and dist.main and progress.step % cfg.save_every == 0 and progress.step < max_steps:
+                save_state()
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
 
-        tokens_seen += _sum_over_ranks(batch_tokens, world, device)
-        pending.append(loss.detach())
-        window.append(tallies)
-        steps_done = step + 1
-        if step % cfg.log_every == 0 or step == cfg.max_steps - 1:
-            flush_losses()
-            elapsed = time.perf_counter() - t0
-            acc = window_accuracy([tallies])
-            win_acc = window_accuracy(window)
-            curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5),
-                          "lr": lr, "accuracy": [round(a, 4) for a in win_acc], "tokens_seen": tokens_seen})
-            log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
-                f"acc {' '.join(f'{a:.2f}' for a in acc)} | lr {lr:.2e} | grad {float(grad_norm):.2f} | "
-                f"{tokens_seen / elapsed:,.0f} tok/s")
-        if cfg.state_path and rank == 0 and (steps_done % cfg.save_every == 0) and steps_done < cfg.max_steps:
-            flush_losses()
-            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history, curve,
-                        time.perf_counter() - t0)
-
+    # -- the checkpoint, and the state kept or cleared -------------------------------------------
     flush_losses()
-    train_s = time.perf_counter() - t0
-    step_accuracy = window_accuracy(window) or [0.0] * cfg.steps_ttt
-    out_dir = Path(out_dir)
-    if rank == 0:
-        if cfg.state_path and paused:  # before the checkpoint moves the weights to the CPU
-            _save_state(cfg.state_path, fingerprint, model, optimizer, steps_done, tokens_seen, loss_history,
-                        curve, train_s)
-        save_checkpoint(model.cpu(), out_dir, dtype=getattr(torch, cfg.checkpoint_dtype))
-        log(f"train: saved drafter to {out_dir} after {steps_done} steps, {train_s:.1f} s")
-        if cfg.state_path and not paused:
-            Path(cfg.state_path).unlink(missing_ok=True)  # finished: a rerun trains afresh
-    if world > 1:
-        torch.distributed.barrier()
+    train_s = clock.trained_s
+    run_s = time.perf_counter() - clock.run_start
+    paused = stopped == "paused"
+    if dist.main:
+        if job.state_path and paused:  # before the checkpoint moves the weights to the CPU
+            save_state()
+        save_checkpoint(model.cpu(), Path(job.out_dir), dtype=getattr(torch, cfg.checkpoint_dtype))
+        log(f"train: saved drafter to {job.out_dir} after {progress.step} steps, {train_s:.1f} s")
+        if job.state_path and not paused:
+            Path(job.state_path).unlink(missing_ok=True)  # finished: a rerun trains afresh
+    dist.barrier()
+    run_tokens = progress.tokens_seen - (state["tokens_seen"] if state is not None else 0)
     return {
-        "steps": steps_done,
-        "curve": curve,
+        "steps": progress.step,
+        "max_steps": max_steps,
+        "stopped": stopped,
+        "paused": paused,
+        "epochs": progress.step * dist.world / batches_per_epoch,
+        "curve": progress.curve,
         "preload_s": preload_s,
-        "tokens_seen": tokens_seen,
-        "final_loss": loss_history[-1],
-        "loss_history": loss_history,
-        "step_accuracy": step_accuracy,
+        "tokens_seen": progress.tokens_seen,
+        "final_loss": progress.loss_history[-1] if progress.loss_history else float("nan"),
+        "loss_history": progress.loss_history,
+        "step_accuracy": window_accuracy(window) or [0.0] * cfg.ttt_steps,
         "accuracy_window_batches": len(window),
         "train_s": train_s,
-        "tokens_per_s": tokens_seen / train_s if train_s > 0 else 0.0,
+        "run_s": run_s,
+        "tokens_per_s": run_tokens / run_s if run_s > 0 else 0.0,
         "samples": len(refs),
-        "resumed_from_step": state["step"] if state is not None else 0,
-        "processes": world,
-        "paused": paused,
+        "resumed_from_step": resumed_from,
+        "processes": dist.world,
+        "device": str(device),
     }
 
 
 # ---------------------------------------------------------------------------------------------
-# Resumable state and DDP helpers
+# The resumable state
 # ---------------------------------------------------------------------------------------------
 
 
-def _state_fingerprint(refs, cfg: TrainConfig, draft_vocab_size: int, aux_layer_ids, world: int) -> str:
-    """What a saved state was trained on; a state for other data or settings is not resumed."""
-    import hashlib
-
-    keys = {k: v for k, v in vars(cfg).items() if k not in ("log_every", "state_path", "save_every", "time_budget_s", "stop_after_s")}
-    blob = json.dumps([str(r.path) for r in refs] + [r.tokens for r in refs] + [keys, draft_vocab_size,
-                      list(aux_layer_ids), world], default=str)
+def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
+    """What a saved state was trained on; a state for other data or settings is not resumed.
+    Knobs that do not change the trajectory (logging, saving, the time limits) are left out."""
+    ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
+    cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
+    blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _save_state(path, fingerprint, model, optimizer, step, tokens_seen, loss_history, curve, train_s) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": step, "tokens_seen": tokens_seen, "loss_history": loss_history, "curve": curve,
-                "train_s": train_s, "rng": torch.get_rng_state()}, tmp)
-    os.replace(tmp, path)  # a killed save leaves the previous state intact
+def write_state(path, fingerprint: str, model, optimizer, progress: Progress, train_s: float) -> None:
+    with atomic_path(path) as tmp:  # a killed save leaves the previous state intact
+        torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": progress.step, "tokens_seen": progress.tokens_seen, "loss_history": progress.loss_history,
+                    "curve": progress.curve, "train_s": train_s, "rng": torch.get_rng_state()}, tmp)
 
 
-def _load_state(path, fingerprint, device):
+def load_state(path, fingerprint: str, device):
     if not path or not Path(path).is_file():
         return None
     state = torch.load(path, map_location=device, weights_only=False)
     return state if state.get("fingerprint") == fingerprint else None
-
-
-def _elapsed_on_rank0(clocks: list[float], world: int, device) -> list[float]:
-    """Rank 0's clocks for every rank: the LR and the time limits then agree across ranks (one
-    rank stopping alone would leave the others waiting in the gradient all-reduce). With several
-    ranks the caller reads them every log_every steps, as the broadcast waits for the GPU."""
-    if world == 1:
-        return clocks
-    t = torch.tensor(clocks, dtype=torch.float64, device=device)
-    torch.distributed.broadcast(t, src=0)
-    return t.tolist()
-
-
-def _sum_over_ranks(value: int, world: int, device) -> int:
-    if world == 1:
-        return value
-    t = torch.tensor([value], device=device)
-    torch.distributed.all_reduce(t)
-    return int(t.item())

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from .files import TMP_SUFFIX, bytes_on_disk
-from .hidden_states import MANIFEST, bytes_per_token, sample_file, validate_sample
+from .sample_files import MANIFEST, bytes_per_token, sample_file, validate_sample
 
 HEADER_SLACK_PER_FILE = 1024  # safetensors JSON header + alignment of one sample file
 

@@ -34,32 +34,10 @@ from typing import Callable
 import polars as pl
 
 from .generate import GenerationResult, cut_at_eos, generation_row, template_ids, write_generations
+from .target import eos_token_ids
 
 
 # --- vLLM ---------------------------------------------------------------------------------------
-
-
-def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
-    """EOS ids as the transformers engine uses them: the generation config's, then the tokenizer's."""
-    ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        from transformers import AutoConfig
-
-        eos = getattr(AutoConfig.from_pretrained(str(model_dir)), "eos_token_id", None)
-    for t in eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []:
-        if int(t) not in ids:
-            ids.append(int(t))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    if not ids:
-        raise ValueError(f"target {model_dir} defines no EOS token: generation would never stop")
-    return ids
 
 
 def load_vllm(model_dir: Path, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0):

@@ -12,13 +12,41 @@ The draft ids are the chosen target ids sorted ascending, so `d2t` is a non-decr
 
 from __future__ import annotations
 
-import os
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .config import STRICT, Fraction, PositiveInt
+from .files import atomic_path
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    """The `vocab:` section of the settings."""
+
+    __pydantic_config__ = STRICT
+    # The draft vocabulary's size; with `coverage` set, its upper bound.
+    draft_vocab_size: PositiveInt = 32000
+    # When set: the smallest size (a multiple of 256) whose tokens cover this share of the
+    # loss-masked answer tokens, at most draft_vocab_size.
+    coverage: Fraction | None = None
+
+
+def choose_draft_vocab_size(counts: torch.Tensor, cfg: VocabConfig) -> int:
+    """`draft_vocab_size`, or with `coverage` the smallest multiple of 256 that reaches it."""
+    if cfg.coverage is None:
+        return cfg.draft_vocab_size
+    total = int(counts.sum())
+    if total == 0:
+        raise ValueError("vocab.coverage: no loss-masked tokens were counted (all counts are zero)")
+    cumulative = torch.sort(counts.reshape(-1), descending=True).values.cumsum(0)
+    needed = int(torch.searchsorted(cumulative, math.ceil(cfg.coverage * total))) + 1
+    return min(cfg.draft_vocab_size, counts.numel(), 256 * math.ceil(needed / 256))
 
 
 def count_tokens(samples: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int) -> torch.Tensor:
@@ -78,15 +106,12 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
 
 def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict[str, str]) -> None:
     """Write `d2t` and `t2d` (bool) to a safetensors file, atomically (temp name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tensors = {
         "d2t": d2t.to(torch.int64).contiguous(),
         "t2d": t2d.to(torch.bool).contiguous(),
     }
-    save_file(tensors, str(tmp), metadata={str(k): str(v) for k, v in metadata.items()})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={str(k): str(v) for k, v in metadata.items()})
 
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,46 @@
-"""Entry points of the GPU jobs, launched through Dagster Pipes (one process, or torchrun)."""
+"""Entry points of the GPU jobs, launched through Dagster Pipes (one process, or torchrun).
 
+Each job reads its parameters (a config dataclass) as JSON from $EAGLE3_JOB_PARAMS. Only rank
+0 opens the Pipes session (each asset may be reported once per session) and reports; every
+rank logs to stderr, the job's own log, also outside Dagster.
+"""
+
+from __future__ import annotations
+
+import os
 import sys
+from typing import Callable
+
+PARAMS_ENV = "EAGLE3_JOB_PARAMS"
 
 
-def pipes_and_stderr(pipes):
-    """Log to the Dagster run (through Pipes) and to stderr (the job's own log, also outside Dagster)."""
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        pipes.log.info(msg)
 
-    return log
+def run_job(params_cls, work: Callable, report: Callable) -> None:
+    """Run `work(params, log)` on every rank; on rank 0 inside a Pipes session, then
+    `report(pipes, params, result)`. An exception fails the Dagster step with its message."""
+    from dagster_pipes import open_dagster_pipes
+
+    from ..core.config import from_json
+
+    params = from_json(params_cls, os.environ[PARAMS_ENV])
+    if int(os.environ.get("RANK", 0)) != 0:
+        work(params, stderr_log)
+        return
+    with open_dagster_pipes() as pipes:
+
+        def log(msg: str) -> None:
+            stderr_log(msg)
+            pipes.log.info(msg)
+
+        report(pipes, params, work(params, log))
+
+
+def path(value: str) -> dict:
+    return {"raw_value": value, "type": "path"}
+
+
+def json_value(value) -> dict:
+    return {"raw_value": value, "type": "json"}

@@ -1,0 +1,258 @@
+"""The extraction engine: the target's hidden states for many samples, written at the disk's pace.
+
+The engine runs the base model only (no LM head, no logits). Where `lean_supported`
+says so, it runs the lean packed forward of `lean_forward.py`: length-sorted samples
+are packed end to end into sequences of about `batch_tokens` tokens with no padding.
+Other models fall back to the Hugging Face forward, one sample at a time, with forward
+hooks. The outputs go to pinned host buffers on a side CUDA stream and a pool of writer
+threads serializes the safetensors files straight from those buffers (no extra copy, and
+the GIL is released during the writes), so the forward never waits on disk; a fixed
+number of staging buffers bounds the memory (backpressure when the disk is slower).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .lean_forward import lean_forward, lean_supported
+from .sample_files import sample_file, write_sample
+
+# ---------------------------------------------------------------------------------------------
+# Capturing the layers
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs at Hugging Face `hidden_states` indices.
+
+    Index 0 is the embeddings, j is the output of decoder layer j-1, and the last
+    index (num_layers) is after the final norm, exactly as `output_hidden_states`.
+    """
+
+    def __init__(self, base_model, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = base_model.layers
+        self._handles = []
+        for j in sorted(set(layer_ids)):
+            module = base_model.embed_tokens if j == 0 else base_model.norm if j == len(layers) else layers[j - 1]
+            self._handles.append(module.register_forward_hook(self._hook(j)))
+
+    def _hook(self, j: int):
+        def hook(module, args, output):
+            self.outputs[j] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """The captured layers concatenated on the last dim, in `layer_ids` order."""
+        out = torch.cat([self.outputs[j] for j in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_batch(base_model, capture: LayerCapture, batch: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run right-padded samples; returns (aux [B, T, 3H], last [B, T, H]) on the device.
+
+    Right padding leaves every real position's causal context untouched; the
+    attention mask keeps the padded keys out of the softmax.
+    """
+    width = max(len(ids) for ids in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, s in enumerate(batch):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    with torch.inference_mode():
+        out = base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    return capture.take(), out.last_hidden_state
+
+
+def extract_samples(
+    base_model,
+    samples: list[tuple[int, list[int], list[int]]],
+    shard_dir: Path,
+    *,
+    aux_layer_ids: list[int],
+    dtype: torch.dtype,
+    batch_tokens: int,
+    writer_threads: int,
+    metadata: dict[str, str],
+    staging_buffers: int = 3,
+    lean: bool | None = None,
+    fsync: bool = False,
+    write: bool = True,
+) -> None:
+    """Extract and write `samples` (row_id, input_ids, loss_mask) into shard_dir.
+
+    `batch_tokens` is the size of one packed forward (a longer sample runs alone);
+    `staging_buffers` host buffers of that size bound the memory: when the writers
+    fall behind, the forward waits for a free buffer. `lean=None` uses the lean
+    forward where the model supports it (`lean_supported`), False forces the
+    Hugging Face forward (one sample at a time, hooks). `fsync=True` makes each file
+    durable before its rename (the writers then wait on the disk, the forward does not
+    until the staging buffers are all taken). `write=False` runs the same forwards and
+    writes nothing: the other ranks of a tensor-parallel group, whose collectives must
+    match rank 0's.
+    """
+    shard_dir = Path(shard_dir)
+    if not samples:
+        return
+    use_lean = lean_supported(base_model) if lean is None else lean
+    device = next(base_model.parameters()).device
+    hidden = base_model.config.hidden_size
+    lengths = [len(s[1]) for s in samples]
+    if use_lean:
+        packs = plan_packs(lengths, batch_tokens)
+        capture = None
+    else:
+        packs = [[i] for i in sorted(range(len(samples)), key=lambda i: lengths[i], reverse=True)]
+        capture = LayerCapture(base_model, aux_layer_ids)
+    capacity = max(sum(lengths[i] for i in p) for p in packs)
+    staging = _Staging(max(1, staging_buffers), capacity, len(aux_layer_ids), hidden, dtype, device)
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    futures: deque[Future] = deque()
+
+    def reap(block: bool = False) -> None:
+        while futures and (block or futures[0].done()):
+            futures.popleft().result()  # raises a writer's error (e.g. disk full) here
+
+    try:
+        with ThreadPoolExecutor(max(1, writer_threads), thread_name_prefix="writer") as pool:
+            for pack in packs:
+                items = [samples[i] for i in pack]
+                slot = staging.acquire(reap)
+                if use_lean:
+                    aux_dev, last_dev = lean_forward(base_model, [s[1] for s in items], aux_layer_ids, dtype)
+                else:
+                    aux_b, last_b = forward_batch(base_model, capture, [items[0][1]], device)
+                    aux_dev, last_dev = aux_b[0].to(dtype), last_b[0].to(dtype)
+                if not write:
+                    staging.release(slot)
+                    continue
+                host_aux, host_last, ready = staging.stage(slot, aux_dev, last_dev, copy_stream)
+                del aux_dev, last_dev
+                countdown = _Countdown(len(items), lambda slot=slot: staging.release(slot))
+                off = 0
+                for row_id, ids, mask in items:
+                    t = len(ids)
+                    futures.append(
+                        pool.submit(
+                            _write_staged, sample_file(shard_dir, row_id), ids, mask,
+                            host_aux[off : off + t], host_last[off : off + t], metadata, ready, countdown, fsync,
+                        )
+                    )
+                    off += t
+                reap()
+            reap(block=True)
+    finally:
+        if capture is not None:
+            capture.remove()
+
+
+def warm_up(base_model, aux_layer_ids: list[int], dtype: torch.dtype, lean: bool | None = None, tokens: int = 256) -> None:
+    """One short forward of two samples before the clock starts: the device's libraries and
+    kernels load here, as part of the job's start, not inside the first timed pack."""
+    vocab = base_model.config.vocab_size
+    ids = [i % vocab for i in range(tokens)]
+    if lean_supported(base_model) if lean is None else lean:
+        lean_forward(base_model, [ids, ids[: tokens // 2]], aux_layer_ids, dtype)
+    else:
+        capture = LayerCapture(base_model, aux_layer_ids)
+        try:
+            forward_batch(base_model, capture, [ids], next(base_model.parameters()).device)
+        finally:
+            capture.remove()
+    if next(base_model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def plan_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+    """Sample indices, longest first, packed end to end into groups of at most `pack_tokens`
+    tokens (no padding; a longer sample is a group of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    packs, cur, used = [], [], 0
+    for i in order:
+        if cur and used + lengths[i] > pack_tokens:
+            packs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def _write_staged(path, ids, mask, aux, last, metadata, ready, countdown, fsync=False) -> None:
+    try:
+        if ready is not None:
+            ready.synchronize()  # the device->host copy has landed (releases the GIL while waiting)
+        write_sample(path, ids, mask, aux, last, metadata, fsync)
+    finally:
+        countdown.done()
+
+
+class _Countdown:
+    def __init__(self, n: int, then):
+        self.n, self.then, self.lock = n, then, threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.then()
+
+
+class _Staging:
+    """A fixed number of host staging slots: pinned buffers of `capacity` tokens on CUDA
+    (allocated on first use, reused after), plain tensors on the CPU. Taking a slot when
+    none is free waits for the writers: that is the backpressure that bounds memory."""
+
+    def __init__(self, n: int, capacity: int, n_aux: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.n, self.capacity, self.n_aux, self.hidden, self.dtype = n, capacity, n_aux, hidden, dtype
+        self.pinned = device.type == "cuda"
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(n):
+            self.free.put(i)
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def acquire(self, poll) -> int:
+        while True:
+            try:
+                return self.free.get(timeout=0.5)
+            except queue.Empty:
+                poll()  # a writer's error surfaces here instead of waiting forever
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+    def stage(self, slot: int, aux: torch.Tensor, last: torch.Tensor, copy_stream):
+        if not self.pinned:
+            return aux, last, None
+        n, h, k = aux.shape[0], self.hidden, self.n_aux
+        buf = self.buffers.get(slot)
+        if buf is None:
+            buf = self.buffers[slot] = torch.empty(self.capacity * (k + 1) * h, dtype=self.dtype, pin_memory=True)
+        host_aux = buf[: n * k * h].view(n, k * h)
+        host_last = buf[n * k * h : n * (k + 1) * h].view(n, h)
+        produced = torch.cuda.current_stream(aux.device).record_event()
+        copy_stream.wait_event(produced)
+        with torch.cuda.stream(copy_stream):
+            host_aux.copy_(aux, non_blocking=True)
+            host_last.copy_(last, non_blocking=True)
+            ready = copy_stream.record_event()
+        aux.record_stream(copy_stream)  # the allocator keeps them until the copy is done
+        last.record_stream(copy_stream)
+        return host_aux, host_last, ready
+
+

@@ -1,0 +1,210 @@
+"""`eagle3 run`: materialize what is missing or stale, in graph order, and say what is skipped.
+
+An asset (or one shard of it) runs when it was never materialized, when its last attempt
+failed (a run that was killed counts as failed), or when Dagster finds it stale: its code
+version (which carries the settings it reads) or the data version of an input changed. The
+prompt file is hashed on every run, so editing it marks `prompts` stale too. Everything else
+is skipped, so a second `eagle3 run` on an unchanged project does no model work, and a run
+killed at any moment continues where it stopped: complete shards and sample files are kept,
+training continues from its saved state.
+
+Steps run as the code location's jobs (`prompts_job`, `shard_job` per shard, `drafter_job`)
+with only the assets that need it selected, one Dagster run each, so every shard keeps its own
+run, metadata, checks and failure. After a step, what follows is judged again: a rerun whose
+output did not change (same code, same inputs) leaves its downstream fresh.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+
+from .assets import prompts as prompts_asset
+from .assets.generations import FORCE_TAG
+from .definitions import JOBS
+from .partitions import shards
+from .settings import Settings
+
+PID_TAG, HOST_TAG = "eagle3/pid", "eagle3/host"
+UNFINISHED = [DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One asset, or one shard of a partitioned asset."""
+
+    asset: str
+    partition: str | None = None
+
+    def __str__(self) -> str:
+        return self.asset + (f"[{self.partition}]" if self.partition else "")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `--select` names: asset names and shard keys (`asset[shard]` names both)."""
+
+    assets: frozenset[str] = frozenset()
+    shards: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, tokens: list[str] | None, asset_names: list[str]) -> "Selection":
+        assets, keys = set(), set()
+        for token in (t.strip() for raw in tokens or [] for t in raw.split(",")):
+            if not token:
+                continue
+            name, _, rest = token.partition("[")
+            if rest:
+                keys.add(rest.rstrip("]"))
+            if name in asset_names:
+                assets.add(name)
+            elif rest or not name.startswith("rows_"):
+                raise ValueError(f"--select {token!r}: unknown asset {name!r}; assets are {', '.join(asset_names)}")
+            else:
+                keys.add(name)
+        return cls(frozenset(assets), frozenset(keys))
+
+    def wants(self, unit: Unit) -> bool:
+        if self.assets and unit.asset not in self.assets:
+            return False
+        return not (self.shards and unit.partition is not None and unit.partition not in self.shards)
+
+
+class Planner:
+    """Why a unit must run now, or None; read from the instance (and the prompt file's hash)."""
+
+    def __init__(self, defs: Definitions, instance: DagsterInstance, settings: Settings, force: bool):
+        self.defs, self.instance, self.settings, self.force = defs, instance, settings, force
+        self.forced: set[Unit] = set()  # --force redoes each unit once
+
+    def reason(self, unit: Unit) -> str | None:
+        if self.force and unit not in self.forced:
+            return "--force"
+        key = AssetKey(unit.asset)
+        latest = self._latest(key, unit.partition)
+        if latest is None:
+            return "never materialized"
+        if self._failed_since(key, unit.partition, latest.storage_id):
+            return "its last run failed or was killed"
+        if unit.asset == "prompts":
+            current = prompts_asset.data_version(self.settings)
+            if latest.asset_materialization.tags.get("dagster/data_version") != current:
+                return "the prompt file or its settings changed"
+        from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+        from dagster._core.definitions.temporal_context import TemporalContext
+        from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView
+        from dagster._time import get_current_datetime
+
+        graph = self.defs.resolve_asset_graph()
+        view = AssetGraphView(temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
+                              instance=self.instance, asset_graph=graph)
+        resolver = CachingStaleStatusResolver(self.instance, graph, view)
+        if resolver.get_status(key, unit.partition) == StaleStatus.STALE:
+            causes = resolver.get_stale_root_causes(key, unit.partition)
+            return "stale: " + "; ".join(sorted({_describe(c) for c in causes})) if causes else "stale"
+        return None
+
+    def _latest(self, key: AssetKey, partition: str | None):
+        flt = AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None)
+        records = self.instance.fetch_materializations(flt, limit=1).records
+        return records[0] if records else None
+
+    def _failed_since(self, key: AssetKey, partition: str | None, storage_id: int) -> bool:
+        """A materialization was planned after the latest one, and its run did not succeed."""
+        planned = self.instance.get_latest_planned_materialization_info(key, partition)
+        if planned is None or planned.storage_id <= storage_id:
+            return False
+        run = self.instance.get_run_by_id(planned.run_id)
+        return run is None or run.status != DagsterRunStatus.SUCCESS
+
+
+def _describe(cause) -> str:
+    where = cause.key.asset_key.to_user_string() + (f"[{cause.key.partition_key}]" if cause.key.partition_key else "")
+    return f"{where} {cause.reason}"
+
+
+def mark_killed_runs(instance: DagsterInstance, log: Callable[[str], None]) -> None:
+    """Runs of an `eagle3 run` process that died (killed, machine lost) stay "started" forever in
+    the instance; report them failed, so the UI and the planner see them as they are."""
+    host = socket.gethostname()
+    for run in instance.get_runs(RunsFilter(statuses=UNFINISHED, tags={HOST_TAG: host})):
+        pid = int(run.tags.get(PID_TAG, "0"))
+        if pid and not _alive(pid):
+            instance.report_run_failed(run, f"the eagle3 run process {pid} that ran it is gone (killed?)")
+            log(f"run {run.run_id[:8]} ({run.job_name}) was left unfinished by process {pid}: marked failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_pipeline(
+    defs: Definitions,
+    instance: DagsterInstance,
+    settings: Settings,
+    *,
+    force: bool = False,
+    select: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> bool:
+    """Materialize what needs it: prompts, then each shard (its own runs), then the vocab map,
+    drafter and its evaluation. A failed shard is named and the others still run; the drafter
+    chain waits for every shard."""
+    names = [a for assets in JOBS.values() for a in assets]
+    selection = Selection.parse(select, names)
+    planner = Planner(defs, instance, settings, force)
+    mark_killed_runs(instance, log)
+    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), **({FORCE_TAG: "1"} if force else {})}
+    ran, skipped = [], []
+
+    def step(job: str, units: list[Unit]) -> bool:
+        """Run the units of one job that need it, until none does (or a run fails)."""
+        units = [u for u in units if selection.wants(u)]
+        for _ in range(len(units)):
+            todo = [(u, r) for u in units if (r := planner.reason(u))]
+            if not todo:
+                break
+            for u, r in todo:
+                log(f"-> {u}: {r}")
+            planner.forced.update(u for u, _ in todo)
+            partition = units[0].partition
+            label = f"{job}[{partition}]" if partition else job
+            result = defs.resolve_job_def(job).execute_in_process(
+                instance=instance,
+                partition_key=partition,
+                asset_selection=[AssetKey(u.asset) for u, _ in todo],
+                tags=tags,
+                raise_on_error=False,
+                # Progress and errors, not every engine event; the UI keeps the full log.
+                run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
+            )
+            ran.extend(str(u) for u, _ in todo)
+            if not result.success:
+                log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")
+                return False
+        skipped.extend(str(u) for u in units if str(u) not in ran)
+        return True
+
+    if not step("prompts_job", [Unit("prompts")]):
+        return False
+    keys = instance.get_dynamic_partitions(shards.name)
+    failed = [k for k in keys if not step("shard_job", [Unit(a, k) for a in JOBS["shard_job"]])]
+    if failed:
+        log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
+        return False
+    ok = step("drafter_job", [Unit(a) for a in JOBS["drafter_job"]])
+    if skipped:
+        log(f"up to date, skipped: {', '.join(skipped)}")
+    if not ran:
+        log("nothing to do: every asset is up to date (`eagle3 run --force` redoes them)")
+    return ok
