@@ -588,6 +588,7 @@ def triton_next_pow2(n: int) -> int:
 def _run(eng: _Engine, prompts, seed: int, refill_every: int, use_graph: bool, log):
     t0 = time.perf_counter()
     S, N = eng.plan.slots, eng.n_new
+    period = min(refill_every, N)  # no slot stays active longer than N - 1 steps
     cuda = eng.device.type == "cuda"
 
     def sync():
@@ -644,7 +645,7 @@ def _run(eng: _Engine, prompts, seed: int, refill_every: int, use_graph: bool, l
         if not busy:
             break
         t = time.perf_counter()
-        for _ in range(refill_every):
+        for _ in range(period):
             if use_graph:
                 eng.replay()
             else:
