@@ -214,18 +214,41 @@ def cut(generated, eos_ids):
 
 
 def check_graph_vs_eager(model, prompts, eos_ids, n_new, dev, args) -> dict:
+    """Greedy ids of the CUDA-graph path (Triton attention) against the eager path (masked SDPA)
+    on the first 64 prompts, in float32 (where they must agree) and in the run's dtype."""
+    import copy
+
     subset = prompts[:CHECK_PROMPTS]
+    out = {}
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    models = {dtype: model} if dtype == "float32" else {"float32": copy.deepcopy(model).float(), dtype: model}
+    for name, m in models.items():
+        if dev.type == "cuda":
+            a = run_native(m, subset, eos_ids, n_new, args)
+            b = run_native(m, subset, eos_ids, n_new, args, cuda_graph=False, attention="sdpa")
+            what = "CUDA graph + Triton attention vs eager masked SDPA"
+        else:  # no graph on the CPU: many slots against one, the batching check
+            a = run_native(m, subset, eos_ids, n_new, args)
+            b = run_native(m, subset, eos_ids, n_new, args, max_slots=1)
+            what = "CPU, eager: default slots vs one slot"
+        same = sum(x == y for x, y in zip(a.rows, b.rows))
+        prefix = [common_prefix(x[1], y[1]) for x, y in zip(a.rows, b.rows)]
+        out[name] = {"identical": same, "mean_common_prefix": sum(prefix) / len(prefix)}
+        log(f"check ({what}), {name}, {len(subset)} prompts, {n_new} new tokens: {same}/{len(subset)} answers "
+            f"identical, first difference after {out[name]['mean_common_prefix']:.0f} tokens on average")
+    models.clear()
     if dev.type == "cuda":
-        a = run_native(model, subset, eos_ids, n_new, args)
-        b = run_native(model, subset, eos_ids, n_new, args, cuda_graph=False, attention="sdpa")
-        what = "CUDA graph + Triton attention vs eager masked SDPA"
-    else:  # no graph on the CPU: one slot against many, the batching check
-        a = run_native(model, subset, eos_ids, n_new, args)
-        b = run_native(model, subset, eos_ids, n_new, args, max_slots=1) if args.slots != 1 else a
-        what = "CPU, eager: default slots vs one slot"
-    same = sum(x == y for x, y in zip(a.rows, b.rows))
-    log(f"check ({what}), {len(subset)} prompts, {n_new} new tokens: {same}/{len(subset)} answers identical")
-    return {"what": what, "prompts": len(subset), "new_tokens": n_new, "identical": same}
+        torch.cuda.empty_cache()
+    return {"what": what, "prompts": len(subset), "new_tokens": n_new, **out}
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +343,9 @@ def main() -> None:
         f"{info['prompt_tokens_mean']:.0f} tokens), copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if "check" in results:
         ch = results["check"]
-        log(f"check: {ch['what']}: {ch['identical']}/{ch['prompts']} answers identical")
+        for name in ch:
+            if isinstance(ch[name], dict):
+                log(f"check: {ch['what']}, {name}: {ch[name]['identical']}/{ch['prompts']} answers identical")
     head = (f"{'new tok':>7} | {'native tok/s':>12} | {'rows':>5} | {'occup.':>6} | {'ceiling tok/s':>13} | "
             f"{'of ceil.':>8} | {'HF tok/s':>9} | {'HF rows':>7} | {'speed-up':>8} | {'identical':>9}")
     log(head)

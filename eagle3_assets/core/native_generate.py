@@ -185,6 +185,9 @@ def generate_native(
         eng = _Engine(model, plan, eos_ids, max_new_tokens, do_sample, temperature, top_p, attention)
         if use_graph:
             eng.capture()
+        if kind == "cuda":
+            torch.cuda.synchronize(device)
+        setup_s = time.perf_counter() - t_start  # planning, allocation and capture
         rows, stats = _run(eng, prompts, seed, refill_every, use_graph, log)
     total_s = time.perf_counter() - t_start
     answer_tokens = sum(len(a) for _, a, _ in rows)
@@ -202,7 +205,7 @@ def generate_native(
         max_len=plan.max_len,
         cuda_graph=use_graph,
         attention=attention,
-        extra={"prefills": stats["prefills"], "setup_s": stats["setup_s"]},
+        extra={"prefills": stats["prefills"], "setup_s": setup_s},
     )
 
 
@@ -284,6 +287,14 @@ def _plan(model, prompts, max_new_tokens, max_slots, fraction, kv_budget_bytes, 
 # The engine: weights, static buffers, prefill, decode step, CUDA graph
 
 
+def _prefill_sdpa():
+    """SDPA backends for prefill: not cuDNN's, which builds a plan for each new (batch, width)
+    shape, and every refill brings new shapes (over a second per 8,000 prompts on an H200)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _rms(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -311,12 +322,12 @@ def row_key(seed: int, row_id: int) -> int:
 
 def pick_tokens(logits: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, vocab_mix: torch.Tensor | None,
                 do_sample: bool, temperature: float, top_p: float) -> torch.Tensor:
-    """Next token per row from float32 logits [B, V]. Greedy: argmax. Sampling: the argmax of
+    """Next token per row from the logits [B, V]. Greedy: argmax. Sampling: the argmax of
     logits / temperature + Gumbel noise, within the top-p nucleus; the noise is hashed from the
     row's key, its answer position `t` and the vocab id, so it is the same in any batch."""
     if not do_sample:
         return logits.argmax(-1)
-    z = logits / temperature
+    z = logits.float() / temperature
     if top_p < 1.0:
         # Keep the most likely tokens until their mass reaches top_p (the first one always).
         sorted_z, order = z.sort(-1, descending=True)
@@ -409,18 +420,16 @@ class _Engine:
         outs = [F.linear(x, wt, b) for wt, b in pairs]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _qkv(self, w, x):
-        """q [.., Hq, D], k and v [.., KVH, D] from the normed hidden states x [.., H]."""
-        D = self.head_dim
-        q_w, kv_w = self.q_heads * D, self.kv_heads * D
+    def _qkv(self, w, x, cos, sin_signed):
+        """q [.., Hq, D], k and v [.., KVH, D] from the normed hidden states x [.., H], RoPE applied."""
+        D, hq = self.head_dim, self.q_heads
         qkv = self._project(w["qkv"], x)
-        q, k, v = qkv.split([q_w, kv_w, kv_w], dim=-1)
-        q = q.unflatten(-1, (self.q_heads, D))
-        k = k.unflatten(-1, (self.kv_heads, D))
-        v = v.unflatten(-1, (self.kv_heads, D))
+        qk, v = qkv.split([(hq + self.kv_heads) * D, self.kv_heads * D], dim=-1)
+        qk, v = qk.unflatten(-1, (-1, D)), v.unflatten(-1, (-1, D))
         if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head before RoPE
-            q, k = _rms(*w["q_norm"], q), _rms(*w["k_norm"], k)
-        return q, k, v
+            qk = torch.cat((_rms(*w["q_norm"], qk[..., :hq, :]), _rms(*w["k_norm"], qk[..., hq:, :])), dim=-2)
+        qk = _rope(qk, cos, sin_signed)  # q and k together: half the kernels
+        return qk[..., :hq, :], qk[..., hq:, :], v
 
     def _mlp(self, w, h):
         x = _rms(*w["ln2"], h)
@@ -428,8 +437,9 @@ class _Engine:
         return F.linear(F.silu(gate) * up, *w["down"])
 
     def _logits(self, h):
-        # lm_head in the model's dtype, then float32: what transformers' generate does.
-        return F.linear(_rms(*self.norm, h), self.lm_head).float()
+        # lm_head in the model's dtype, as transformers; pick_tokens converts to float32 where
+        # it samples (greedy's argmax is the same on either).
+        return F.linear(_rms(*self.norm, h), self.lm_head)
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -448,14 +458,14 @@ class _Engine:
         h = F.embedding(ids, self.embed)  # [B, T, H]
         gqa = self.q_heads != self.kv_heads
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, _rms(*w["ln1"], h))  # [B, T, heads, D]
-            q, k = _rope(q, cos, sin_signed), _rope(k, cos, sin_signed)
+            q, k, v = self._qkv(w, _rms(*w["ln1"], h), cos, sin_signed)  # [B, T, heads, D]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             # Right padding: every real position's causal context holds only real tokens.
             # The padded tail is written to the cache too; decoding overwrites it before reading.
             self.cache[i, 0][slot_t, :, :T] = k
             self.cache[i, 1][slot_t, :, :T] = v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            with _prefill_sdpa():
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
             h = h + F.linear(o.transpose(1, 2).flatten(2), *w["o"])
             h = h + self._mlp(w, h)
         last = h[torch.arange(B, device=dev), lens - 1]  # [B, H]
@@ -484,8 +494,7 @@ class _Engine:
         if self.attention == "sdpa":
             mask = (torch.arange(span, device=self.device)[None, :] < live[:, None])[:, None, None, :]
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, _rms(*w["ln1"], h))  # [S, heads, D]
-            q, k = _rope(q, cos, sin_signed), _rope(k, cos, sin_signed)
+            q, k, v = self._qkv(w, _rms(*w["ln1"], h), cos, sin_signed)  # [S, heads, D]
             kc, vc = self.cache[i, 0], self.cache[i, 1]  # [S, KVH, L, D]
             kc.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
             vc.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
@@ -535,8 +544,7 @@ class _Engine:
         kern = _triton_kernels()
         sp = self.split
         S, D = q.shape[0], self.head_dim
-        q = q.contiguous()
-        o = torch.empty_like(q)
+        o = torch.empty((S, self.q_heads, D), dtype=q.dtype, device=q.device)
         group = self.q_heads // self.kv_heads
         block_g = max(16, triton_next_pow2(group))
         block_d = max(16, triton_next_pow2(D))
@@ -595,8 +603,6 @@ def _run(eng: _Engine, prompts, seed: int, refill_every: int, use_graph: bool, l
         if cuda:
             torch.cuda.synchronize(eng.device)
 
-    sync()
-    setup_s = time.perf_counter() - t0  # allocation and capture, before the first prefill
     # Longest first: a refill batch holds prompts of similar lengths (little padding), and the
     # short ones at the end leave a short tail.
     pending = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i][1])))
@@ -629,11 +635,16 @@ def _run(eng: _Engine, prompts, seed: int, refill_every: int, use_graph: bool, l
             slots = [free.pop() for _ in take]
             budget = eng.plan.prefill_tokens
             start = 0
-            while start < len(take):  # chunks of at most `prefill_tokens` padded tokens
-                end = start + 1
-                width = len(prompts[take[start]][1])  # longest first: the first sets the width
+            while start < len(take):
+                # Chunks of at most `prefill_tokens` padded tokens, at most a quarter of them
+                # padding (longest first: the first prompt sets the width).
+                end, width = start + 1, len(prompts[take[start]][1])
+                real = width
                 while end < len(take) and (end - start + 1) * width <= budget:
-                    end += 1
+                    n = len(prompts[take[end]][1])
+                    if (end - start + 1) * width - (real + n) > 0.25 * (end - start + 1) * width:
+                        break
+                    end, real = end + 1, real + n
                 eng.prefill(slots[start:end], [prompts[i][1] for i in take[start:end]],
                             [row_key(seed, prompts[i][0]) for i in take[start:end]])
                 prefills += 1
@@ -660,7 +671,7 @@ def _run(eng: _Engine, prompts, seed: int, refill_every: int, use_graph: bool, l
     sync()
     occupancy = eng.active_sum.item() / (steps * S) if steps else 0.0
     return results, {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps, "occupancy": occupancy,
-                     "prefills": prefills, "setup_s": setup_s}
+                     "prefills": prefills}
 
 
 # ---------------------------------------------------------------------------------------------
