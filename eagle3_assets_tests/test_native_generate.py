@@ -1,7 +1,8 @@
 """The native engine (core/native_generate.py) against transformers, on a tiny random Llama.
 
 CPU tests run the eager path (masked SDPA over the per-slot caches); the CUDA tests at the end
-run the Triton kernel and the CUDA graph and are skipped without a GPU.
+run the Triton kernel and the CUDA graph and are skipped without a GPU. The module imports no
+settings (no pydantic), so it runs on a GPU image that has only torch, transformers and polars.
 """
 
 import random
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from eagle3_assets.core import native_generate as ng
-from eagle3_assets.core.generate import cut_at_eos
 from eagle3_assets.core.native_generate import generate_native, native_supported, pick_tokens, vocab_mixes
 
 from .tiny import TINY_VOCAB, load_tiny_llama  # noqa: F401  (tiny sets torch to one thread)
@@ -44,7 +44,8 @@ def reference(model, prompts, max_new_tokens):
             with torch.inference_mode():
                 gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                      eos_token_id=[EOS], pad_token_id=0)
-            _REFERENCE[key] = cut_at_eos(gen[0, len(ids):].tolist(), [EOS])
+            answer = gen[0, len(ids):].tolist()
+            _REFERENCE[key] = (answer[: answer.index(EOS) + 1], True) if EOS in answer else (answer, False)
         answer, finished = _REFERENCE[key]
         out.append((row_id, answer, finished))
     return out

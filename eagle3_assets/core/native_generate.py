@@ -177,7 +177,7 @@ def generate_native(
         return NativeResult([], 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, use_graph, attention)
 
     plan = _plan(model, prompts, max_new_tokens, max_slots, gpu_memory_fraction, kv_budget_bytes,
-                 prefill_tokens or PREFILL_TOKENS[kind], do_sample and top_p < 1)
+                 prefill_tokens or PREFILL_TOKENS[kind], 0 if not do_sample else 2 if top_p < 1 else 1)
     log(f"native engine: {len(prompts)} prompts, {plan.slots} slots, max_len {plan.max_len}, KV cache "
         f"{plan.kv_bytes / 2**30:.2f} GiB, attention {attention}, CUDA graph {'on' if use_graph else 'off'}")
 
@@ -222,7 +222,7 @@ class _Plan:
     fuse: bool  # copy q/k/v and gate/up weights into one matrix each (fewer, larger matmuls)
 
 
-def _plan(model, prompts, max_new_tokens, max_slots, fraction, kv_budget_bytes, prefill_tokens, top_p_sort) -> _Plan:
+def _plan(model, prompts, max_new_tokens, max_slots, fraction, kv_budget_bytes, prefill_tokens, sampler) -> _Plan:
     cfg = model.config
     device = next(model.parameters()).device
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -245,9 +245,10 @@ def _plan(model, prompts, max_new_tokens, max_slots, fraction, kv_budget_bytes, 
     head_dim, kv_heads = a.head_dim, cfg.num_key_value_heads
     item = next(model.parameters()).element_size()
     per_slot = cfg.num_hidden_layers * 2 * kv_heads * max_len * head_dim * item
-    # Per-slot decode workspace: float32 logits and the sampler's temporaries over the vocab
-    # (a sort and the hashed noise when sampling with top-p), the answer buffer.
-    per_slot_work = vocab * (48 if top_p_sort else 24) + (max_new_tokens + 1) * 4 + 64 * cfg.hidden_size * item
+    # Per-slot decode workspace: the logits and the sampler's temporaries over the vocab (int64
+    # hashed noise when sampling, a sort with top-p; sampler 0 greedy, 1 sampling, 2 top-p),
+    # the answer buffer, the hidden states.
+    per_slot_work = vocab * (24, 64, 96)[sampler] + (max_new_tokens + 1) * 4 + 64 * cfg.hidden_size * item
     # One prefill forward: hidden, norm, q/k/v (GQA-expanded for SDPA), attention output, MLP.
     h, inter = cfg.hidden_size, cfg.intermediate_size
     q_width = cfg.num_attention_heads * head_dim
