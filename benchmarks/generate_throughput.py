@@ -27,20 +27,11 @@ import math
 import random
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-try:  # the GPU image has no pydantic; core needs only two names from the settings module
-    import pydantic  # noqa: F401
-except ModuleNotFoundError:
-    _settings = types.ModuleType("eagle3_assets.settings")
-    _settings.EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
-    _settings.EMBEDDED_PROMPTS = "embedded:sharegpt"
-    sys.modules["eagle3_assets.settings"] = _settings
 
 from eagle3_assets.core.native_generate import generate_native  # noqa: E402
 
@@ -95,9 +86,9 @@ def random_prompts(n: int, vocab: int, tiny: bool) -> list[tuple[int, list[int]]
 
 
 def real_model_and_prompts(n: int, dev, dtype):
-    from eagle3_assets.core.generate import _eos_ids, template_ids
+    from eagle3_assets.core.generate import template_ids
     from eagle3_assets.core.prompts import read_prompts
-    from eagle3_assets.core.target import load_model, load_tokenizer, resolve_target
+    from eagle3_assets.core.target import eos_token_ids, load_model, load_tokenizer, resolve_target
 
     t0 = time.perf_counter()
     model_dir = resolve_target(TARGET)
@@ -119,7 +110,7 @@ def real_model_and_prompts(n: int, dev, dtype):
         f"({dropped} over {MAX_PROMPT_TOKENS} tokens dropped)")
     if len(prompts) < n:
         log(f"warning: only {len(prompts)} prompts available, {n} asked")
-    return model, _eos_ids(model, tok), tok.pad_token_id, prompts
+    return model, eos_token_ids(model, tok), tok.pad_token_id, prompts
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,10 +104,26 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc']))}: {_message(err)}" for err in e.errors()]
         raise SettingsError(f"settings file {path} is invalid:\n" + "\n".join(lines)) from None
-    # Relative storage paths are relative to the settings file, so a run does not depend on cwd.
-    if not Path(settings.storage_root).expanduser().is_absolute() and path.parent != DEMO_SETTINGS.parent:
-        settings = settings.model_copy(update={"storage_root": str((path.parent / settings.storage_root).resolve())})
+    # Relative paths are relative to the settings file, so a run does not depend on the current
+    # folder (the packaged presets keep their storage under the project root).
+    if path.parent != DEMO_SETTINGS.parent:
+        settings = _paths_relative_to(settings, path.parent)
     return settings
+
+
+def _paths_relative_to(settings: Settings, folder: Path) -> Settings:
+    def place(value: str | None) -> str | None:
+        if value is None or value.startswith("embedded:") or Path(value).expanduser().is_absolute():
+            return value
+        return str((folder / value).resolve())
+
+    return settings.model_copy(update={
+        "storage_root": place(settings.storage_root),
+        "target_model": place(settings.target_model),
+        "prompts_source": place(settings.prompts_source),
+        "model_cache_dir": place(settings.model_cache_dir),
+        "eval": dataclasses.replace(settings.eval, prompt_sets=[place(p) for p in settings.eval.prompt_sets]),
+    })
 
 
 def settings_path_from_env() -> str | None:

@@ -30,3 +30,24 @@ def test_greedy_batched_answers_equal_one_at_a_time(tiny_target, tmp_path):
     generate_shard(model, tok, prompts, tmp_path / "u.parquet", batch_size=1, max_new_tokens=5)
     b, u = pl.read_parquet(tmp_path / "b.parquet"), pl.read_parquet(tmp_path / "u.parquet")
     assert b["input_ids"].to_list() == u["input_ids"].to_list()
+
+
+def test_native_and_transformers_engines_write_the_same_generations(tiny_target, tmp_path):
+    """The `generations` asset's engines share one path (template, EOS ids, rows, Parquet): greedy in
+    float32, the native engine's rows equal transformers' byte for byte; `auto` on the CPU is transformers."""
+    import dataclasses
+
+    from eagle3_assets.core.engines import generate
+    from eagle3_assets.core.generate import GenerationConfig
+
+    prompts = pl.DataFrame({"row_id": list(range(10, 22)), "system": [None] * 12,
+                            "prompt": ["q" * (i % 5 + 1) + " tell me" * (i % 3) for i in range(12)]})
+    base = GenerationConfig(engine="native", dtype="float32", device="cpu", batch_size=5, max_new_tokens=9, max_slots=4)
+    native = generate(base, tiny_target, prompts, tmp_path / "n.parquet")
+    logs = []
+    auto = generate(dataclasses.replace(base, engine="auto"), tiny_target, prompts, tmp_path / "t.parquet", log=logs.append)
+    assert native.engine == "native" and auto.engine == "transformers"
+    assert any("generation engine: transformers (on the CPU" in line for line in logs)
+    assert pl.read_parquet(tmp_path / "n.parquet").to_dicts() == pl.read_parquet(tmp_path / "t.parquet").to_dicts()
+    assert native.extra_metadata["slots"] == 4 and 0 < native.extra_metadata["mean_slot_occupancy"] <= 1
+    assert native.result.answer_tokens == auto.result.answer_tokens > 0

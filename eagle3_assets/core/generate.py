@@ -25,10 +25,16 @@ class GenerationConfig:
     """The `generation:` section of the settings."""
 
     __pydantic_config__ = STRICT
-    engine: Literal["transformers", "vllm"] = "transformers"
+    # auto: the native engine on CUDA for the models it runs, else transformers (the log says why).
+    engine: Literal["auto", "native", "transformers", "vllm"] = "auto"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"
     batch_size: PositiveInt = 32  # prompts per `generate` call (transformers)
+    # native engine: sequences decoded at once (None: 2,048 on CUDA, fewer if the KV cache would
+    # not fit), the share of the card's memory the cache may take, and how often freed slots refill
+    max_slots: PositiveInt | None = None
+    gpu_memory_fraction: Fraction = 0.9
+    refill_every: PositiveInt = 16
     max_new_tokens: PositiveInt = 512
     do_sample: bool = False
     temperature: PositiveFloat = 0.7
