@@ -40,7 +40,9 @@ def build(settings: Settings) -> list:
             d2t, t2d = load_vocab_map(paths.vocab_map)
         except Exception as e:  # the loader names what is inconsistent
             return AssetCheckResult(passed=False, description=str(e))
-        ok = d2t.numel() == settings.vocab.draft_vocab_size and t2d.numel() == target_config().vocab_size
+        size = settings.vocab.draft_vocab_size  # with vocab.coverage, the upper bound of the chosen size
+        ok = (d2t.numel() <= size if settings.vocab.coverage else d2t.numel() == size) and (
+            t2d.numel() == target_config().vocab_size)
         return AssetCheckResult(passed=ok, metadata={"draft_vocab_size": d2t.numel(), "target_vocab_size": t2d.numel()})
 
     @asset_check(asset="drafter", blocking=True, name="drafter_loads")

@@ -121,3 +121,25 @@ def test_writer_error_surfaces(base_model, tmp_path):
             base_model, _samples()[:3], tmp_path / "not_a_dir", aux_layer_ids=[2, 3, 3], dtype=torch.float32,
             batch_tokens=16, writer_threads=2, metadata=META, staging_buffers=1,
         )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
+def test_varlen_attention_equals_one_sdpa_per_sample_on_cuda():
+    from eagle3_assets.core.lean_forward import Packing, _Varlen, packed_causal_attention
+
+    torch.manual_seed(0)
+    lengths = [1, 7, 300, 64, 129]
+    bounds, off = [], 0
+    for n in lengths:
+        bounds.append((off, off + n))
+        off += n
+    q, k, v = (torch.randn(off, h, 64, device="cuda", dtype=torch.bfloat16) for h in (9, 3, 3))
+    packing = Packing.of(bounds, torch.device("cuda"))
+    fast = packed_causal_attention(q, k, v, packing, 0.125)
+    assert _Varlen.ok, _Varlen.why
+    _Varlen.ok = False
+    try:
+        slow = packed_causal_attention(q, k, v, packing, 0.125)
+    finally:
+        _Varlen.ok = True
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -228,3 +229,27 @@ def test_mtbench_first_turns_come_from_flexeval():
         return
     turns = load_mtbench_first_turns()
     assert len(turns) == 80 and all(isinstance(t, str) and t for t in turns)
+
+
+def test_evaluation_reports_each_prompt_set_and_worker_processes_change_nothing(world, trained, tmp_path):
+    """`evaluate`: every prompt set on its own (MT-bench and a file with categories), tau by
+    category, the float32 check; 2 worker processes measure exactly what one process does."""
+    from eagle3_assets.core.evaluate import MT_BENCH, EvalConfig, EvalJob, evaluate
+
+    make_tiny_tokenizer().save_pretrained(world["model_dir"])  # evaluate reads the target folder's tokenizer
+    eval_file = tmp_path / "mine.jsonl"
+    eval_file.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in
+                                   [(PROMPTS[0], "greeting"), (PROMPTS[1], "math"), ("abc", "math")]))
+    cfg = EvalConfig(prompt_sets=[str(eval_file), MT_BENCH], num_prompts=3, max_new_tokens=12, num_draft_tokens=3,
+                     device="cpu", speedup_prompts=0, greedy_check_prompts=1)
+    logs = []
+    one = evaluate(EvalJob(str(world["model_dir"]), str(trained["out"]), cfg), log=logs.append)
+    two = evaluate(EvalJob(str(world["model_dir"]), str(trained["out"]), dataclasses.replace(cfg, workers=2)),
+                   log=lambda m: None)
+    assert list(one["sets"]) == ["mine", "mt-bench"] and one["tau"] == one["sets"]["mine"]["tau"]
+    assert set(one["sets"]["mine"]["tau_by_category"]) == {"greeting", "math"}
+    assert one["sets"]["mt-bench"]["prompts_used"] == 3 and one["greedy_check_matches"] == 1
+    drop = ("spec_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in two["per_prompt"]] == [
+        {k: v for k, v in r.items() if k not in drop} for r in one["per_prompt"]]
+    assert any(line.startswith("eval: 6/6 prompts") for line in logs)

@@ -18,7 +18,7 @@ import importlib.util
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -346,17 +346,26 @@ def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
     prompts = [p for source in cfg.prompt_sets for p in load_prompt_set(source, cfg.num_prompts)]
     t0 = time.perf_counter()
     pair = None
+    done: list[dict] = []
+
+    def progress(row: dict) -> None:
+        done.append(row)
+        log(f"eval: {len(done)}/{len(prompts)} prompts, tau so far {summarize(done, cfg.num_draft_tokens)['tau']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)")
+
     if cfg.workers == 1:
         pair = _load_pair(job, dtype)
-        rows = []
-        for i, p in enumerate(prompts):
-            rows.append(_measure_prompt(*pair, p, cfg))
-            log(f"eval: {i + 1}/{len(prompts)} prompts, tau so far {summarize(rows, cfg.num_draft_tokens)['tau']:.3f}")
+        for p in prompts:
+            progress(_measure_prompt(*pair, p, cfg))
+        rows = done
     else:
         threads = max(1, (os.cpu_count() or 1) // cfg.workers)
         with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn"), initializer=_worker_init,
                                  initargs=(job, threads)) as pool:
-            rows = list(pool.map(_worker_run, prompts))
+            futures = [pool.submit(_worker_run, p) for p in prompts]
+            for f in as_completed(futures):
+                progress(f.result())
+            rows = [f.result() for f in futures]  # in the prompt sets' order
     acceptance_s = time.perf_counter() - t0
     sets: dict[str, dict] = {}
     for name in dict.fromkeys(r["set"] for r in rows):

@@ -31,6 +31,7 @@ from transformers import AutoConfig
 from .config import STRICT, PositiveFloat, PositiveInt, require
 from .distributed import setup
 from .extract_engine import extract_samples, warm_up
+from .lean_forward import attention_path
 from .files import bytes_on_disk
 from .sample_files import (
     FORMAT_VERSION,
@@ -201,7 +202,8 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         warm_up(model, aux_ids, dtype, lean)
         warmup_s = time.perf_counter() - t1 - model_load_s
         if dist.main:
-            log(f"device ready in {cuda_init_s:.1f} s, model loaded in {model_load_s:.1f} s, warmed up in {warmup_s:.1f} s")
+            log(f"device ready in {cuda_init_s:.1f} s, model loaded in {model_load_s:.1f} s, warmed up in {warmup_s:.1f} s; "
+                f"attention: {attention_path(dist.device, dtype) if lean is not False else 'transformers forward'}")
 
     stop, reporter, progress = threading.Event(), None, None
     if dist.main:

@@ -8,6 +8,8 @@ needs the plain Hugging Face modules on one device (`lean_supported`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,61 @@ def lean_supported(base_model) -> bool:
         return False
     norms = [base_model.norm] + [n for l in base_model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
     return all(type(l) is LlamaDecoderLayer for l in base_model.layers) and all(type(n) is LlamaRMSNorm for n in norms)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each sample of a pack starts and ends: Python bounds for the per-sample path, and
+    the cumulative lengths (int32, on the device) that a variable-length kernel reads."""
+
+    bounds: list[tuple[int, int]]
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, bounds: list[tuple[int, int]], device) -> "Packing":
+        cu = torch.tensor([0] + [e for _, e in bounds], dtype=torch.int32)
+        if device.type == "cuda":
+            cu = cu.pin_memory().to(device, non_blocking=True)
+        return cls(bounds, cu, max(e - s for s, e in bounds))
+
+
+class _Varlen:
+    """Whether the one-call variable-length kernel (FlashAttention's varlen forward, as ATen ships
+    it) runs here; switched off for good, with the reason, the first time it fails."""
+
+    ok = True
+    why = ""
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float):
+    """Causal attention of every sample of a pack with itself: q [N, Hq, D], k and v [N, Hkv, D]
+    -> [N, Hq, D]. On CUDA in bf16/fp16 one FlashAttention varlen call does every sample (GQA
+    included); elsewhere one SDPA call per sample, which for a pack of a few hundred short
+    samples costs far more in launches than in arithmetic."""
+    if len(packing.bounds) > 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _Varlen.ok:
+        try:
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len, 0.0, True, False,
+                scale=scale,
+            )[0]
+        except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:  # an older or other build
+            _Varlen.ok, _Varlen.why = False, f"{type(e).__name__}: {e}"
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    for s, e in packing.bounds:
+        out[s:e] = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )[0].transpose(0, 1)
+    return out
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How packs are attended here (after a first forward has tried the varlen kernel)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _Varlen.ok:
+        return "flash_varlen"
+    return "per_sample_sdpa" + (f" ({_Varlen.why})" if _Varlen.why else "")
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +115,7 @@ def lean_forward(base_model, seqs: list[list[int]], layer_ids: list[int], dtype:
     for s in seqs:
         bounds.append((off, off + len(s)))
         off += len(s)
+    packing = Packing.of(bounds, device)
     num_layers = len(m.layers)
     hidden = m.config.hidden_size
     slots: dict[int, list[int]] = {}
@@ -83,20 +141,7 @@ def lean_forward(base_model, seqs: list[list[int]], layer_ids: list[int], dtype:
         k_ = F.linear(x, a.k_proj.weight, a.k_proj.bias).view(n_tok, -1, d)
         v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(n_tok, -1, d)
         q, k_ = _rope(q, cos, sin_signed), _rope(k_, cos, sin_signed)
-        gqa = q.shape[1] != k_.shape[1]
-        if len(bounds) == 1:
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k_.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, scale=a.scaling, enable_gqa=gqa,
-            )[0].transpose(0, 1).reshape(n_tok, -1)
-        else:
-            o = torch.empty_like(q)
-            for s, e in bounds:
-                o[s:e] = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1)[None], k_[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
-                    is_causal=True, scale=a.scaling, enable_gqa=gqa,
-                )[0].transpose(0, 1)
-            o = o.view(n_tok, -1)
+        o = packed_causal_attention(q, k_, v, packing, a.scaling).view(n_tok, -1)
         h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
         x = _rms(layer.post_attention_layernorm, h)
         g = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
