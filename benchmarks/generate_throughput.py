@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from eagle3_assets.core.generate import generate_batch  # noqa: E402
 from eagle3_assets.core.native_generate import generate_native  # noqa: E402
 
 TARGET = "embedded:SmolLM2-135M-Instruct"
@@ -177,15 +178,8 @@ def run_transformers(model, prompts, eos_ids, pad_id, n_new, batch: int, time_ca
     t0 = time.perf_counter()
     for b in range(0, len(order), batch):
         chunk = order[b : b + batch]
-        width = max(len(ids) for _, ids in chunk)
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in chunk], device=dev)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk], device=dev)
-        with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=n_new,
-                                 do_sample=False, temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=pad_id, eos_token_id=eos_ids)
-        for (row_id, _), gen in zip(chunk, out[:, width:].tolist()):
-            answer, finished = cut(gen, eos_ids)
+        answers = generate_batch(model, [ids for _, ids in chunk], pad_id, eos_ids, n_new)
+        for (row_id, _), (answer, finished) in zip(chunk, answers):
             rows.append((row_id, answer, finished))
             answer_tokens += len(answer)
         elapsed = time.perf_counter() - t0
@@ -194,14 +188,6 @@ def run_transformers(model, prompts, eos_ids, pad_id, n_new, batch: int, time_ca
         if elapsed > time_cap_s:
             break
     return rows, answer_tokens, time.perf_counter() - t0
-
-
-def cut(generated, eos_ids):
-    eos = set(eos_ids)
-    for i, t in enumerate(generated):
-        if t in eos:
-            return generated[: i + 1], True
-    return generated, False
 
 
 def check_graph_vs_eager(model, prompts, eos_ids, n_new, dev, args) -> dict:

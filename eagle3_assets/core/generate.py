@@ -103,28 +103,38 @@ def generate_shard(
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
         batch = order[b : b + batch_size]
-        width = max(len(ids) for _, ids in batch)
-        # Left padding: every prompt ends where generation starts.
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in batch], device=device)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=device)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature if do_sample else None,
-                top_p=top_p if do_sample else None,
-                top_k=None,
-                pad_token_id=pad_id,
-                eos_token_id=eos_ids,
-            )
-        for (row_id, ids), gen in zip(batch, out[:, width:].tolist()):
-            answer, finished = cut_at_eos(gen, eos_ids)
+        answers = generate_batch(model, [ids for _, ids in batch], pad_id, eos_ids, max_new_tokens,
+                                 do_sample=do_sample, temperature=temperature, top_p=top_p)
+        for (row_id, ids), (answer, finished) in zip(batch, answers):
             rows.append(generation_row(row_id, ids, answer, finished))
             answer_total += len(answer)
         log(f"generated {len(rows)}/{len(order)} samples, {answer_total} answer tokens")
     return write_generations(rows, out_path, time.perf_counter() - start)
+
+
+def generate_batch(
+    model, prompts: list[list[int]], pad_id: int, eos_ids: list[int], max_new_tokens: int, *,
+    do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+) -> list[tuple[list[int], bool]]:
+    """One transformers `generate` call over left-padded prompts: (answer, ended with EOS) each."""
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids in prompts)
+    # Left padding: every prompt ends where generation starts.
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=top_p if do_sample else None,
+            top_k=None,
+            pad_token_id=pad_id,
+            eos_token_id=eos_ids,
+        )
+    return [cut_at_eos(gen, eos_ids) for gen in out[:, width:].tolist()]
 
 
 def cut_at_eos(generated: list[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
