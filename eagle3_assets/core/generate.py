@@ -90,7 +90,6 @@ def generate_shard(
     log=lambda msg: None,
 ) -> GenerationResult:
     """Answer `prompts` (row_id, system, prompt) and write the generations Parquet."""
-    device = next(model.parameters()).device
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     encoded = [
