@@ -275,3 +275,73 @@ def test_layout_staging_on_cuda(tiny_target, data, tmp_path, storage, teacher):
         for key in a:
             if a[key].is_floating_point():
                 torch.testing.assert_close(a[key].float(), b[key].float(), atol=0.1, rtol=0.07)
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph with the top-k teacher: vocab_map before hidden_states, in the lineage and in `eagle3 run`
+
+
+def test_topk_teacher_puts_vocab_map_upstream_of_hidden_states_and_layouts_change_its_code_version():
+    from eagle3_assets.assets import hidden_states
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.settings import Settings
+
+    def graph(**extraction):
+        settings = Settings(extraction=extraction)
+        g = build_definitions(settings).resolve_asset_graph()
+        return settings, {k.to_user_string(): g.get(k) for k in g.get_all_asset_keys()}
+
+    base_settings, base = graph()
+    assert sorted(p.to_user_string() for p in base["hidden_states"].parent_keys) == ["generations"]
+    # The default layout keeps the code version it had before layouts existed: no re-extraction.
+    assert base["hidden_states"].code_version == f"1-{base_settings.fingerprint(*hidden_states.SETTINGS_USED)}"
+    _, topk = graph(teacher="topk")
+    assert sorted(p.to_user_string() for p in topk["hidden_states"].parent_keys) == ["generations", "vocab_map"]
+    for extraction in ({"storage": "fp8"}, {"teacher": "topk"}, {"teacher": "topk", "topk": 64}):
+        _, other = graph(**extraction)
+        assert {k for k in base if base[k].code_version != other[k].code_version} == {"hidden_states"}, extraction
+    _, same = graph(topk=64)  # k alone does not matter to last_hidden files
+    assert same["hidden_states"].code_version == base["hidden_states"].code_version
+
+
+def test_eagle3_run_with_topk_builds_the_vocab_map_before_extracting(tiny_target, tmp_path):
+    """Every shard's generations, then the vocab map, then each shard's extraction (the slowest
+    test here, ~20 s: each extraction is its own process, as in production)."""
+    import json
+
+    from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
+
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.launchers import LocalLauncher
+    from eagle3_assets.pipeline import run_pipeline
+    from eagle3_assets.settings import Settings
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"q{i} tell me"}) + "\n" for i in range(4)))
+    settings = Settings(
+        target_model=str(tiny_target), prompts_source=str(tmp_path / "prompts.jsonl"), shard_size=2,
+        storage_root=str(tmp_path / "data"), generation={"batch_size": 2, "max_new_tokens": 4, "dtype": "float32"},
+        extraction={"dtype": "float32", "batch_tokens": 64, "storage": "fp8", "teacher": "topk", "topk": 4},
+        vocab={"draft_vocab_size": 32},
+    )
+    instance = DagsterInstance.ephemeral()
+    logs = []
+    ok = run_pipeline(build_definitions(settings, launcher=LocalLauncher()), instance, settings,
+                      select=["prompts,generations,vocab_map,hidden_states"], log=logs.append)
+    assert ok, logs
+    ran = [line.split(":")[0].removeprefix("-> ") for line in logs if line.startswith("-> ")]
+    assert ran == ["prompts", "generations[rows_00000-00002]", "generations[rows_00002-00004]", "vocab_map",
+                   "hidden_states[rows_00000-00002]", "hidden_states[rows_00002-00004]"]
+
+    def latest(asset, shard=None):
+        flt = AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[shard] if shard else None)
+        return instance.fetch_materializations(flt, limit=1).records[0]
+
+    m = {k: v.value for k, v in latest("hidden_states", "rows_00000-00002").asset_materialization.metadata.items()}
+    assert m["storage"] == "fp8" and m["teacher"] == "topk" and m["topk"] == 4 and 0 < m["topk_mass"] <= 1.0
+    # (the blocking shard_complete check ran with each shard: a failure would have failed `ok`)
+    # A rerun finds everything fresh; the vocab map is judged once.
+    logs.clear()
+    assert run_pipeline(build_definitions(settings, launcher=LocalLauncher()), instance, settings,
+                        select=["prompts,generations,vocab_map,hidden_states"], log=logs.append)
+    assert not [line for line in logs if line.startswith("-> ")]
+    assert logs[-2].count("vocab_map") == 1, logs
