@@ -34,6 +34,7 @@ from .extract_engine import TopkTeacher, extract_samples, warm_up
 from .lean_forward import attention_path
 from .files import bytes_on_disk
 from .sample_files import (
+    DEFAULT_TOPK,
     MANIFEST,
     MAX_DRAFT_VOCAB,
     SampleLayout,
@@ -69,9 +70,9 @@ class ExtractConfig:
     # the lm_head); topk = the target's top-k log-probabilities over the draft vocabulary,
     # computed here, so `vocab_map` is built before `hidden_states`.
     teacher: Literal["last_hidden", "topk"] = "last_hidden"
-    # k of the top-k teacher: 32 x 4 bytes per token (ids + values) is 1% of an 8B target's fp8
-    # token and keeps nearly all of a confident teacher's mass (README); `topk_mass` measures it.
-    topk: PositiveInt = 32
+    # k of the top-k teacher (why 64: `sample_files.DEFAULT_TOPK`); each shard's `topk_mass`
+    # metadata says how much of the teacher's probability its files keep.
+    topk: PositiveInt = DEFAULT_TOPK
 
     def __post_init__(self):
         ids = self.aux_layer_ids

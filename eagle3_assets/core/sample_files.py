@@ -55,6 +55,11 @@ SCALE_DTYPE = torch.float32  # 4 bytes per token and layer: exact scales for a f
 TOPK_ID_DTYPE = torch.uint16  # draft ids: a draft vocabulary has at most 65,536 tokens
 TOPK_VALUE_DTYPE = torch.float16  # log-probabilities in [-1e4, 0]: fp16 keeps 11 significant bits, bf16 8
 MAX_DRAFT_VOCAB = 65536
+# k of the top-k teacher. 64 x 4 bytes (uint16 id + float16 value) is 1-2% of an fp8 token of an
+# 8B-1T target (where storage matters), and keeps on average 97% of the draft distribution that
+# training fits, where 32 keeps 95% (SmolLM2 teacher-forced on ShareGPT answers, a conservative
+# setting: benchmarks/results/topk_mass_smollm2_cpu.json). The tau comparison is still to measure.
+DEFAULT_TOPK = 64
 # Bytes a file may hold beyond its tensors: the safetensors JSON header (tensor names, shapes,
 # offsets, the metadata with the target's name) and its alignment; a bound, used by the disk
 # preflight, the plan and the checks alike.
@@ -76,7 +81,7 @@ class SampleLayout:
     dtype: torch.dtype = torch.bfloat16  # the hidden states' dtype with storage "bf16"
     storage: str = "bf16"
     teacher: str = "last_hidden"
-    topk: int = 32  # teacher "topk" only
+    topk: int = DEFAULT_TOPK  # teacher "topk" only
     draft_vocab: str | None = None  # teacher "topk": the vocab map's fingerprint; None: not checked
     aux_layers: int = 3
 
@@ -89,7 +94,7 @@ class SampleLayout:
 
     @property
     def name(self) -> str:
-        """e.g. "bf16/last_hidden", "fp8/topk32" ("fp32/..." for float32 files of storage bf16)."""
+        """e.g. "bf16/last_hidden", "fp8/topk64" ("fp32/..." for float32 files of storage bf16)."""
         stored = "fp8" if self.storage == "fp8" else _SHORT[self.dtype]
         return f"{stored}/" + (f"topk{self.topk}" if self.teacher == "topk" else self.teacher)
 
