@@ -250,6 +250,20 @@ def test_rerun_keeps_files_of_its_layout_and_redoes_those_of_another(tiny_target
     assert not verify_shard(shard, data["gens"], layout_of(topk, topk.vocab_map_path))[0]
 
 
+def test_a_saved_training_state_is_not_resumed_on_the_same_files_in_another_layout(tiny_target, data, tmp_path):
+    from eagle3_assets.core.sample_files import list_samples
+    from eagle3_assets.core.train import state_fingerprint
+
+    shard = tmp_path / "shard"
+    train = TrainJob([str(shard)], str(tiny_target), str(data["vocab_maps"][0]), str(tmp_path / "out"),
+                     aux_layer_ids=[2, 3, 3], draft_vocab_size=DRAFT)
+    prints = []
+    for storage in ("bf16", "fp8"):
+        run_extraction(job(tiny_target, data, shard, storage, "last_hidden"), log=quiet)
+        prints.append(state_fingerprint(list_samples([shard]), train, 1))
+    assert prints[0] != prints[1]  # same paths and token counts, other data
+
+
 def test_topk_without_a_vocab_map_or_with_k_beyond_it_is_refused(tiny_target, data, tmp_path):
     j = job(tiny_target, data, tmp_path / "shard", "fp8", "topk")
     with pytest.raises(FileNotFoundError, match="materialize vocab_map first"):
