@@ -40,11 +40,11 @@ from .sample_files import (
     SampleLayout,
     check_free_space,
     plan_shard,
-    read_sample_slices,
     sample_file,
     write_manifest,
 )
 from .target import DTYPES, check_aux_layer_ids, load_model, resolve_target
+from .vocab import load_vocab_map, vocab_map_fingerprint
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,6 @@ def extract_layout(cfg: ExtractConfig, hidden_size: int, draft_vocab: str | None
 
 def load_draft_vocab(cfg: ExtractConfig, vocab_map_path: str | None):
     """(d2t, t2d, fingerprint) of the vocab map the top-k teacher needs; None for last_hidden."""
-    from .vocab import load_vocab_map, vocab_map_fingerprint
-
     if cfg.teacher != "topk":
         return None
     if not vocab_map_path or not Path(vocab_map_path).is_file():
@@ -328,8 +326,12 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
 def topk_mass(shard_dir: Path, row_ids: list[int], files: int = 64) -> float:
     """Mean share of the target's probability that the stored top-k keeps, over the tokens of up
     to `files` evenly spread sample files: how much of the teacher a top-k shard holds."""
-    picked = row_ids[:: max(1, len(row_ids) // files)][:files]
-    kept = [read_sample_slices(sample_file(shard_dir, r))["topk_logprobs"].float().exp().sum(-1) for r in picked]
+    from safetensors import safe_open
+
+    kept = []
+    for r in row_ids[:: max(1, len(row_ids) // files)][:files]:
+        with safe_open(str(sample_file(shard_dir, r)), framework="pt") as f:  # that tensor only, not the file
+            kept.append(f.get_tensor("topk_logprobs").float().exp().sum(-1))
     return round(float(torch.cat(kept).mean()), 6) if kept else 0.0
 
 
