@@ -27,7 +27,7 @@ import torch
 
 from eagle3_assets.core.extract_engine import LayerCapture, extract_samples, forward_batch, plan_packs, warm_up
 from eagle3_assets.core.lean_forward import lean_forward, lean_supported
-from eagle3_assets.core.sample_files import bytes_per_token, read_sample, sample_file, validate_sample
+from eagle3_assets.core.sample_files import SampleLayout, read_sample, sample_file, validate_sample
 
 ROWS: list[tuple[str, float, str]] = []
 RESULTS: dict = {}
@@ -290,7 +290,7 @@ def main() -> None:
     lo, hi = (16, 256) if args.tiny else (256, 4096)
     samples = make_samples(args.samples, lo, hi, model.config.vocab_size, args.seed)
     tokens = sum(len(s[1]) for s in samples)
-    bpt = bytes_per_token(hidden, dtype)
+    bpt = SampleLayout(hidden, dtype).bytes_per_token()
     RESULTS.update(samples=len(samples), tokens=tokens, mean_tokens=tokens / len(samples), bytes_per_token=bpt,
                    aux_layer_ids=aux_ids, lean_supported=lean_supported(base))
     log(f"{len(samples)} samples, {tokens:,} tokens (mean {tokens / len(samples):,.0f}, {lo}-{hi}), "
@@ -343,7 +343,7 @@ def main() -> None:
     on_disk = sum(f.stat().st_size for f in files)
     assert len(files) == len(samples), (len(files), len(samples))
     assert not list(d.glob(".*")), "temporaries left"
-    assert all(validate_sample(sample_file(d, s[0]), s[1], hidden, dtype) for s in samples[:8])
+    assert all(validate_sample(sample_file(d, s[0]), s[1], SampleLayout(hidden, dtype)) for s in samples[:8])
     RESULTS.update(engine_bytes_on_disk=on_disk, engine_files=len(files))
     row("OUR ENGINE: files written (closed + renamed)", tokens / t_files, f"{t_files:.1f} s, {on_disk / 1e9:.2f} GB")
     row("our engine incl. os.sync() (data on disk)", tokens / t_synced, f"{t_synced:.1f} s")

@@ -4,8 +4,9 @@ import torch
 from dagster import AssetCheckExecutionContext, AssetCheckResult, MetadataValue, asset_check
 from transformers import AutoConfig
 
+from .assets.hidden_states import sample_layout
 from .core.drafter import load_checkpoint
-from .core.target import DTYPES, resolve_target
+from .core.target import resolve_target
 from .core.verify import verify_shard
 from .core.vocab import load_vocab_map
 from .partitions import shards
@@ -21,11 +22,11 @@ def build(settings: Settings) -> list:
 
     @asset_check(asset="hidden_states", partitions_def=shards, blocking=True, name="shard_complete")
     def shard_complete(context: AssetCheckExecutionContext) -> AssetCheckResult:
-        """Files = rows, manifest present, no temporaries, bytes as predicted, spot-checked files finite."""
+        """Files = rows of the settings' layout, manifest present, no temporaries, bytes as predicted,
+        spot-checked files finite."""
         shard = context.partition_key
         passed, d = verify_shard(
-            paths.hidden_states(shard), paths.generations(shard), target_config().hidden_size,
-            DTYPES[settings.extraction.dtype],
+            paths.hidden_states(shard), paths.generations(shard), sample_layout(settings, target_config().hidden_size),
         )
         return AssetCheckResult(
             passed=passed,

@@ -1,4 +1,4 @@
-"""`eagle3`: run the whole graph, open the UI, read the history — on one shared instance.
+"""`eagle3`: plan and run the whole graph, open the UI, read the history — on one shared instance.
 
 Every command finds the project root (the folder with dagster.yaml and
 workspace.yaml, from the current directory upward) and uses it as DAGSTER_HOME,
@@ -205,6 +205,53 @@ def cmd_report(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# eagle3 plan
+
+
+def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None) -> dict:
+    """What the extraction of `settings` will write and take (`core/plan.py`), from what exists
+    now: generations, else the prompts table, else the prompt file; rates from `history_rows`."""
+    from transformers import AutoConfig
+
+    from .assets.hidden_states import sample_layout
+    from .core import plan
+    from .core.generate import template_ids
+    from .core.layout import Layout
+    from .core.prompts import read_prompts
+    from .core.target import load_tokenizer, resolve_target
+
+    model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
+    layout = sample_layout(settings, AutoConfig.from_pretrained(model_dir).hidden_size)
+    tokenizer = []  # loaded once, when a shard needs it
+
+    def prompt_lengths(rows) -> list[int]:
+        tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
+        return [len(template_ids(tokenizer[0], system, prompt)) for system, prompt in rows.select("system", "prompt").iter_rows()]
+
+    def prompt_count() -> int:
+        return len(read_prompts(settings.prompts_source, settings.max_prompts).rows)
+
+    paths = Layout(settings.root)
+    shards = plan.shard_tokens(paths, settings.shard_size, settings.generation.max_new_tokens, settings.max_prompt_tokens,
+                               prompt_lengths, prompt_count)
+    if tokens_per_s:
+        rate = plan.Rate(tokens_per_s, 0.0, f"given: --tokens-per-s {tokens_per_s:,.0f}")
+    else:
+        rate = plan.measured_rate(history_rows, layout) or plan.ceiling_rate(layout)
+    return plan.make_plan(shards, layout, paths.root / "hidden_states", rate)
+
+
+def cmd_plan(args) -> int:
+    _enter(args)
+    from .core.plan import format_plan
+    from .settings import load_settings, settings_path_from_env
+
+    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # eagle3 ui
 
 
@@ -226,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these assets and/or shards, comma-separated: e.g. hidden_states, rows_00000-02000, "
                         "hidden_states[rows_00000-02000] (repeatable)")
     r.set_defaults(func=cmd_run)
+    pl_ = sub.add_parser("plan", help="before running: per shard samples, tokens, bytes of the file layout, free space, time")
+    pl_.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
+    pl_.add_argument("--json", action="store_true")
+    pl_.add_argument("--tokens-per-s", type=float, help="extraction rate to plan with (default: the last measured one)")
+    pl_.set_defaults(func=cmd_plan)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")
     h.add_argument("--plot", metavar="PATH", help="write a PNG chart of tokens/s and bytes per shard")

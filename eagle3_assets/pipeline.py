@@ -158,8 +158,9 @@ def run_pipeline(
     log: Callable[[str], None] = print,
 ) -> bool:
     """Materialize what needs it: prompts, then each shard (its own runs), then the vocab map,
-    drafter and its evaluation. A failed shard is named and the others still run; the drafter
-    chain waits for every shard."""
+    drafter and its evaluation (with `extraction.teacher: topk` the vocab map comes between the
+    generations and the hidden states). A failed shard is named and the others still run; the
+    drafter chain waits for every shard."""
     names = [a for assets in JOBS.values() for a in assets]
     selection = Selection.parse(select, names)
     planner = Planner(defs, instance, settings, force)
@@ -192,13 +193,21 @@ def run_pipeline(
             if not result.success:
                 log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")
                 return False
-        skipped.extend(str(u) for u in units if str(u) not in ran)
+        skipped.extend(str(u) for u in units if str(u) not in ran and str(u) not in skipped)
         return True
 
     if not step("prompts_job", [Unit("prompts")]):
         return False
     keys = instance.get_dynamic_partitions(shards.name)
-    failed = [k for k in keys if not step("shard_job", [Unit(a, k) for a in JOBS["shard_job"]])]
+    if settings.extraction.teacher == "topk":
+        # The files hold top-k over the draft vocabulary: every shard's generations, then the
+        # vocab map (built from all of them), then each shard's extraction.
+        failed = [k for k in keys if not step("shard_job", [Unit("generations", k)])]
+        if not failed and not step("drafter_job", [Unit("vocab_map")]):
+            return False
+        failed = failed or [k for k in keys if not step("shard_job", [Unit("hidden_states", k)])]
+    else:
+        failed = [k for k in keys if not step("shard_job", [Unit(a, k) for a in JOBS["shard_job"]])]
     if failed:
         log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
         return False

@@ -6,7 +6,7 @@ from dagster import DagsterInstance, materialize
 from eagle3_assets import checks
 from eagle3_assets.assets import hidden_states
 from eagle3_assets.launchers import LocalLauncher
-from eagle3_assets.core.sample_files import sample_file
+from eagle3_assets.core.sample_files import SampleLayout, sample_file
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.core.verify import verify_shard
 from eagle3_assets.settings import Settings
@@ -47,7 +47,7 @@ def test_truncated_or_garbage_file_fails_the_check_and_a_rerun_repairs_it(tiny_t
     f2.write_bytes(b"\0" * f2.stat().st_size)  # garbage
     (shard / ".0000103.safetensors.1.tmp").write_bytes(b"x")
     # What the check computes (Dagster 1.13 cannot run a partitioned check without its asset).
-    passed, details = verify_shard(shard, layout.generations(SHARD), 64, torch.bfloat16)
+    passed, details = verify_shard(shard, layout.generations(SHARD), SampleLayout(64, torch.bfloat16))
     problems = "; ".join(details["problems"])
     assert not passed
     assert "2 sample files unreadable" in problems and "1 temporary files left" in problems

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.sample_files import KEYS, sample_file, validate_sample, write_sample
+from eagle3_assets.core.sample_files import SampleLayout, sample_file, validate_sample, write_sample
 from eagle3_assets.core.extract_engine import extract_samples, plan_packs
 from eagle3_assets.core.lean_forward import lean_supported
 
@@ -60,9 +60,9 @@ def test_files_equal_unbatched_hf(base_model, tmp_path, lean, layer_ids):
     hidden = base_model.config.hidden_size
     for row_id, ids, mask in samples:
         path = sample_file(tmp_path, row_id)
-        assert validate_sample(path, ids, hidden, torch.float32)
+        assert validate_sample(path, ids, SampleLayout(hidden, torch.float32))
         got = load_file(str(path))
-        assert set(got) == set(KEYS)
+        assert set(got) == set(SampleLayout(hidden, torch.float32).tensors(len(ids)))
         assert got["input_ids"].dtype == torch.int32 and got["input_ids"].tolist() == ids
         assert got["loss_mask"].dtype == torch.uint8 and got["loss_mask"].tolist() == mask
         aux, last = _reference(base_model, ids, layer_ids)
@@ -91,7 +91,7 @@ def test_bf16_files_and_packing_invariance(base_model, tmp_path):
         for key, ref in (("aux_hidden_states", aux), ("last_hidden_state", last)):
             torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(a[key].float(), ref, rtol=1e-2, atol=1e-2)
-        assert validate_sample(sample_file(tmp_path / "packed", row_id), ids, base_model.config.hidden_size, torch.bfloat16)
+        assert validate_sample(sample_file(tmp_path / "packed", row_id), ids, SampleLayout(base_model.config.hidden_size))
 
 
 def test_writer_matches_safetensors_bytes(tmp_path):
@@ -100,7 +100,7 @@ def test_writer_matches_safetensors_bytes(tmp_path):
     t = 7
     ids, mask = list(range(t)), [0, 1] * 3 + [1]
     aux, last = torch.randn(t, 12).to(torch.bfloat16), torch.randn(t, 4).to(torch.bfloat16)
-    size = write_sample(tmp_path / "ours.safetensors", ids, mask, aux, last, META)
+    size = write_sample(tmp_path / "ours.safetensors", ids, mask, {"aux_hidden_states": aux, "last_hidden_state": last}, META)
     save_file(
         {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
          "aux_hidden_states": aux, "last_hidden_state": last},

@@ -137,6 +137,6 @@ def extract_job(**kw):
     """An `ExtractJob` from flat keyword arguments: the job's paths and its config's knobs."""
     from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob
 
-    paths = {"generations_path", "shard_dir", "model_dir", "target_name"}
+    paths = {"generations_path", "shard_dir", "model_dir", "target_name", "vocab_map_path"}
     return ExtractJob(**{k: v for k, v in kw.items() if k in paths},
                       config=ExtractConfig(**{k: v for k, v in kw.items() if k not in paths}))

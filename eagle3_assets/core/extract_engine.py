@@ -8,6 +8,11 @@ hooks. The outputs go to pinned host buffers on a side CUDA stream and a pool of
 threads serializes the safetensors files straight from those buffers (no extra copy, and
 the GIL is released during the writes), so the forward never waits on disk; a fixed
 number of staging buffers bounds the memory (backpressure when the disk is slower).
+
+What is staged is what the file layout stores (`sample_files.encode_features`), computed on
+the device before the copy: fp8 hidden states with their scales (half the bytes over the
+bus and to disk), and for the top-k teacher the target's top-k log-probabilities over the
+draft vocabulary (`TopkTeacher`) in place of the last hidden state.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .lean_forward import lean_forward, lean_supported
-from .sample_files import sample_file, write_sample
+from .sample_files import TOPK_ID_DTYPE, TOPK_VALUE_DTYPE, SampleLayout, encode_features, sample_file, write_sample
 
 # ---------------------------------------------------------------------------------------------
 # Capturing the layers
@@ -77,6 +82,43 @@ def forward_batch(base_model, capture: LayerCapture, batch: list[list[int]], dev
     return capture.take(), out.last_hidden_state
 
 
+class TopkTeacher:
+    """The target's top-k next-token log-probabilities over the draft vocabulary, on the device.
+
+    From the final-norm hidden state and the target's lm_head: the full-vocabulary logits (in
+    chunks of `chunk_tokens` rows, so a pack's [N, vocab] logits never exist at once), their
+    log-softmax, the k largest at draft tokens (`topk_ids` are draft ids, `topk_logprobs` the
+    log-probabilities under the full distribution), and whether the full-vocabulary argmax is a
+    draft token (`target_in_draft`: training masks the other positions, as from the last
+    hidden state). The logits are computed in the lm_head's dtype as training computes them.
+    """
+
+    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, k: int, device,
+                 dtype: torch.dtype, chunk_tokens: int = 2048):
+        if not 1 <= k <= d2t.numel():
+            raise ValueError(f"extraction.topk={k} must be between 1 and the draft vocabulary's size, {d2t.numel()}")
+        self.lm_head = lm_head.to(device=device, dtype=dtype)
+        self.draft_ids = (torch.arange(d2t.numel()) + d2t.to(torch.int64)).to(device)  # target id of each draft id
+        self.t2d = t2d.to(device=device, dtype=torch.bool)
+        self.k, self.chunk_tokens = k, chunk_tokens
+
+    @torch.inference_mode()
+    def __call__(self, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, device = last.shape[0], last.device
+        ids = torch.empty((n, self.k), dtype=TOPK_ID_DTYPE, device=device)
+        logprobs = torch.empty((n, self.k), dtype=TOPK_VALUE_DTYPE, device=device)
+        in_draft = torch.empty(n, dtype=torch.uint8, device=device)
+        for s in range(0, n, self.chunk_tokens):
+            e = min(n, s + self.chunk_tokens)
+            logits = (last[s:e].to(self.lm_head.dtype) @ self.lm_head.T).float()
+            in_draft[s:e] = self.t2d[logits.argmax(-1)]
+            values, draft = logits.index_select(1, self.draft_ids).topk(self.k, dim=-1)
+            # fp16 holds log-probabilities down to -65504; below -1e4 a probability is 0 anyway
+            logprobs[s:e] = (values - torch.logsumexp(logits, -1, keepdim=True)).clamp(min=-1e4)
+            ids[s:e] = draft  # int64 -> uint16: draft ids < 65,536 (the layout's limit)
+        return {"topk_ids": ids, "topk_logprobs": logprobs, "target_in_draft": in_draft}
+
+
 def extract_samples(
     base_model,
     samples: list[tuple[int, list[int], list[int]]],
@@ -91,6 +133,8 @@ def extract_samples(
     lean: bool | None = None,
     fsync: bool = False,
     write: bool = True,
+    layout: SampleLayout | None = None,
+    teacher: TopkTeacher | None = None,
 ) -> None:
     """Extract and write `samples` (row_id, input_ids, loss_mask) into shard_dir.
 
@@ -102,7 +146,8 @@ def extract_samples(
     durable before its rename (the writers then wait on the disk, the forward does not
     until the staging buffers are all taken). `write=False` runs the same forwards and
     writes nothing: the other ranks of a tensor-parallel group, whose collectives must
-    match rank 0's.
+    match rank 0's. `layout` says what the files store (None: the hidden states in `dtype` and
+    the last hidden state); a "topk" layout needs `teacher`. `dtype` is the forward's dtype.
     """
     shard_dir = Path(shard_dir)
     if not samples:
@@ -110,6 +155,7 @@ def extract_samples(
     use_lean = lean_supported(base_model) if lean is None else lean
     device = next(base_model.parameters()).device
     hidden = base_model.config.hidden_size
+    layout = layout or SampleLayout(hidden, dtype, aux_layers=len(aux_layer_ids))
     lengths = [len(s[1]) for s in samples]
     if use_lean:
         packs = plan_packs(lengths, batch_tokens)
@@ -118,7 +164,7 @@ def extract_samples(
         packs = [[i] for i in sorted(range(len(samples)), key=lambda i: lengths[i], reverse=True)]
         capture = LayerCapture(base_model, aux_layer_ids)
     capacity = max(sum(lengths[i] for i in p) for p in packs)
-    staging = _Staging(max(1, staging_buffers), capacity, len(aux_layer_ids), hidden, dtype, device)
+    staging = _Staging(max(1, staging_buffers), capacity, device)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     futures: deque[Future] = deque()
 
@@ -139,8 +185,10 @@ def extract_samples(
                 if not write:
                     staging.release(slot)
                     continue
-                host_aux, host_last, ready = staging.stage(slot, aux_dev, last_dev, copy_stream)
+                features = encode_features(aux_dev, last_dev, layout, teacher)  # on the device, before the copy
                 del aux_dev, last_dev
+                host, ready = staging.stage(slot, features, copy_stream)
+                del features
                 countdown = _Countdown(len(items), lambda slot=slot: staging.release(slot))
                 off = 0
                 for row_id, ids, mask in items:
@@ -148,7 +196,7 @@ def extract_samples(
                     futures.append(
                         pool.submit(
                             _write_staged, sample_file(shard_dir, row_id), ids, mask,
-                            host_aux[off : off + t], host_last[off : off + t], metadata, ready, countdown, fsync,
+                            {key: v[off : off + t] for key, v in host.items()}, metadata, ready, countdown, fsync,
                         )
                     )
                     off += t
@@ -159,19 +207,24 @@ def extract_samples(
             capture.remove()
 
 
-def warm_up(base_model, aux_layer_ids: list[int], dtype: torch.dtype, lean: bool | None = None, tokens: int = 256) -> None:
-    """One short forward of two samples before the clock starts: the device's libraries and
-    kernels load here, as part of the job's start, not inside the first timed pack."""
+def warm_up(base_model, aux_layer_ids: list[int], dtype: torch.dtype, lean: bool | None = None, tokens: int = 256,
+            layout: SampleLayout | None = None, teacher: TopkTeacher | None = None) -> None:
+    """One short forward of two samples (and the layout's encoding) before the clock starts: the
+    device's libraries and kernels load here, as part of the job's start, not inside the first
+    timed pack."""
     vocab = base_model.config.vocab_size
     ids = [i % vocab for i in range(tokens)]
     if lean_supported(base_model) if lean is None else lean:
-        lean_forward(base_model, [ids, ids[: tokens // 2]], aux_layer_ids, dtype)
+        aux, last = lean_forward(base_model, [ids, ids[: tokens // 2]], aux_layer_ids, dtype)
     else:
         capture = LayerCapture(base_model, aux_layer_ids)
         try:
-            forward_batch(base_model, capture, [ids], next(base_model.parameters()).device)
+            aux, last = forward_batch(base_model, capture, [ids], next(base_model.parameters()).device)
+            aux, last = aux[0].to(dtype), last[0].to(dtype)
         finally:
             capture.remove()
+    if layout is not None:
+        encode_features(aux, last, layout, teacher)
     if next(base_model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -192,11 +245,11 @@ def plan_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
     return packs
 
 
-def _write_staged(path, ids, mask, aux, last, metadata, ready, countdown, fsync=False) -> None:
+def _write_staged(path, ids, mask, features, metadata, ready, countdown, fsync=False) -> None:
     try:
         if ready is not None:
             ready.synchronize()  # the device->host copy has landed (releases the GIL while waiting)
-        write_sample(path, ids, mask, aux, last, metadata, fsync)
+        write_sample(path, ids, mask, features, metadata, fsync)
     finally:
         countdown.done()
 
@@ -214,17 +267,17 @@ class _Countdown:
 
 
 class _Staging:
-    """A fixed number of host staging slots: pinned buffers of `capacity` tokens on CUDA
-    (allocated on first use, reused after), plain tensors on the CPU. Taking a slot when
-    none is free waits for the writers: that is the backpressure that bounds memory."""
+    """A fixed number of host staging slots: pinned buffers of `capacity` tokens on CUDA, one per
+    stored tensor (allocated on first use, reused after), plain tensors on the CPU. Taking a slot
+    when none is free waits for the writers: that is the backpressure that bounds memory."""
 
-    def __init__(self, n: int, capacity: int, n_aux: int, hidden: int, dtype: torch.dtype, device: torch.device):
-        self.n, self.capacity, self.n_aux, self.hidden, self.dtype = n, capacity, n_aux, hidden, dtype
+    def __init__(self, n: int, capacity: int, device: torch.device):
+        self.n, self.capacity = n, capacity
         self.pinned = device.type == "cuda"
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(n):
             self.free.put(i)
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     def acquire(self, poll) -> int:
         while True:
@@ -236,23 +289,24 @@ class _Staging:
     def release(self, slot: int) -> None:
         self.free.put(slot)
 
-    def stage(self, slot: int, aux: torch.Tensor, last: torch.Tensor, copy_stream):
+    def stage(self, slot: int, tensors: dict[str, torch.Tensor], copy_stream):
+        """Host copies of a pack's row-aligned tensors ([N, ...] each) and the event that marks
+        them landed (None on the CPU, where the tensors are already on the host)."""
         if not self.pinned:
-            return aux, last, None
-        n, h, k = aux.shape[0], self.hidden, self.n_aux
-        buf = self.buffers.get(slot)
-        if buf is None:
-            buf = self.buffers[slot] = torch.empty(self.capacity * (k + 1) * h, dtype=self.dtype, pin_memory=True)
-        host_aux = buf[: n * k * h].view(n, k * h)
-        host_last = buf[n * k * h : n * (k + 1) * h].view(n, h)
-        produced = torch.cuda.current_stream(aux.device).record_event()
+            return tensors, None
+        device = next(iter(tensors.values())).device
+        produced = torch.cuda.current_stream(device).record_event()
         copy_stream.wait_event(produced)
+        host = {}
         with torch.cuda.stream(copy_stream):
-            host_aux.copy_(aux, non_blocking=True)
-            host_last.copy_(last, non_blocking=True)
+            for key, t in tensors.items():
+                buf = self.buffers.get((slot, key))
+                if buf is None or buf.dtype != t.dtype or buf.shape[1:] != t.shape[1:]:
+                    buf = self.buffers[(slot, key)] = torch.empty(
+                        (self.capacity, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+                host[key] = buf[: t.shape[0]]
+                host[key].copy_(t, non_blocking=True)
             ready = copy_stream.record_event()
-        aux.record_stream(copy_stream)  # the allocator keeps them until the copy is done
-        last.record_stream(copy_stream)
-        return host_aux, host_last, ready
-
-
+        for t in tensors.values():
+            t.record_stream(copy_stream)  # the allocator keeps them until the copy is done
+        return host, ready

@@ -30,21 +30,21 @@ from transformers import AutoConfig
 
 from .config import STRICT, PositiveFloat, PositiveInt, require
 from .distributed import setup
-from .extract_engine import extract_samples, warm_up
+from .extract_engine import TopkTeacher, extract_samples, warm_up
 from .lean_forward import attention_path
 from .files import bytes_on_disk
 from .sample_files import (
-    FORMAT_VERSION,
+    DEFAULT_TOPK,
     MANIFEST,
-    bytes_per_token,
+    MAX_DRAFT_VOCAB,
+    SampleLayout,
     check_free_space,
     plan_shard,
     sample_file,
     write_manifest,
 )
 from .target import DTYPES, check_aux_layer_ids, load_model, resolve_target
-
-HEADER_BYTES_PER_FILE = 1024  # safetensors JSON header + alignment, a generous bound for the space check
+from .vocab import load_vocab_map, vocab_map_fingerprint
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,24 @@ class ExtractConfig:
     nproc: PositiveInt = 1  # > 1 launches torchrun
     parallel: Literal["data", "tensor"] = "data"
     progress_every_s: PositiveFloat = 5.0
+    # How the hidden states are stored (README, "Storage layouts"): bf16 = in `dtype` (bfloat16
+    # unless set otherwise); fp8 = float8 e4m3 with a float32 scale per token and layer,
+    # quantized on the device: about half the bytes.
+    storage: Literal["bf16", "fp8"] = "bf16"
+    # What the drafter learns from: last_hidden = the final-norm hidden state (training applies
+    # the lm_head); topk = the target's top-k log-probabilities over the draft vocabulary,
+    # computed here, so `vocab_map` is built before `hidden_states`.
+    teacher: Literal["last_hidden", "topk"] = "last_hidden"
+    # k of the top-k teacher (why 64: `sample_files.DEFAULT_TOPK`); each shard's `topk_mass`
+    # metadata says how much of the teacher's probability its files keep.
+    topk: PositiveInt = DEFAULT_TOPK
 
     def __post_init__(self):
         ids = self.aux_layer_ids
         require(ids is None or (len(ids) == 3 and len(set(ids)) == 3),
                 f"extraction.aux_layer_ids must be three distinct layer ids, got {ids}")
+        require(self.topk <= MAX_DRAFT_VOCAB, f"extraction.topk must be at most {MAX_DRAFT_VOCAB:,} "
+                f"(draft ids are stored as uint16), got {self.topk}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,30 @@ class ExtractJob:
     model_dir: str
     target_name: str
     config: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab_map_path: str | None = None  # teacher "topk": the draft vocabulary the top-k is taken over
+
+
+def extract_layout(cfg: ExtractConfig, hidden_size: int, draft_vocab: str | None = None) -> SampleLayout:
+    """The file layout these settings write (`draft_vocab`: the vocab map's fingerprint, topk only)."""
+    return SampleLayout(hidden_size, DTYPES[cfg.dtype], cfg.storage, cfg.teacher, cfg.topk, draft_vocab)
+
+
+def load_draft_vocab(cfg: ExtractConfig, vocab_map_path: str | None):
+    """(d2t, t2d, fingerprint) of the vocab map the top-k teacher needs; None for last_hidden."""
+    if cfg.teacher != "topk":
+        return None
+    if not vocab_map_path or not Path(vocab_map_path).is_file():
+        raise FileNotFoundError(
+            f"extraction.teacher: topk stores log-probabilities over the draft vocabulary, so it needs the vocab map, "
+            f"not found at {vocab_map_path}; materialize vocab_map first (eagle3 run does it before hidden_states)")
+    d2t, t2d = load_vocab_map(vocab_map_path)
+    if d2t.numel() > MAX_DRAFT_VOCAB:
+        raise ValueError(f"extraction.teacher: topk stores draft ids as uint16, so the draft vocabulary must have at "
+                         f"most {MAX_DRAFT_VOCAB:,} tokens; {vocab_map_path} has {d2t.numel():,}")
+    if cfg.topk > d2t.numel():
+        raise ValueError(f"extraction.topk={cfg.topk} exceeds the draft vocabulary of {vocab_map_path} "
+                         f"({d2t.numel():,} tokens)")
+    return d2t, t2d, vocab_map_fingerprint(d2t)
 
 
 class ShardBusyError(RuntimeError):
@@ -173,20 +210,22 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
     target_config = AutoConfig.from_pretrained(model_dir)
     aux_ids = check_aux_layer_ids(cfg.aux_layer_ids, target_config.num_hidden_layers)
     hidden = target_config.hidden_size
+    vocab = load_draft_vocab(cfg, job.vocab_map_path)
+    layout = extract_layout(cfg, hidden, vocab[2] if vocab else None)
 
     if dist.main:
         (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
     dist.barrier()
-    todo, resumed = dist.broadcast(plan_shard(gens, shard_dir, hidden, dtype) if dist.main else None)
+    todo, resumed = dist.broadcast(plan_shard(gens, shard_dir, layout) if dist.main else None)
     if dist.main:
-        need = sum(len(s[1]) for s in todo) * bytes_per_token(hidden, dtype) + len(todo) * HEADER_BYTES_PER_FILE
-        check_free_space(shard_dir, need)
-        log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files")
+        check_free_space(shard_dir, layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
+        log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files "
+            f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)")
     # Data parallel: interleave the length-sorted list so every rank gets long and short samples.
     # Tensor parallel: every rank runs every sample (the collectives must match); rank 0 writes.
     mine = todo if tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[dist.rank :: dist.world]
     meta = {
-        "format_version": FORMAT_VERSION,
+        **layout.metadata(),  # format_version, and the layout where it is not bf16/last_hidden
         "target_model": job.target_name,
         "aux_layer_ids": ",".join(map(str, aux_ids)),
         "dtype": cfg.dtype,
@@ -194,12 +233,17 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
     }
     # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
     lean = False if tensor else None
-    model, model_load_s, warmup_s = None, 0.0, 0.0
+    writes = dist.main or not tensor
+    model, teacher, model_load_s, warmup_s = None, None, 0.0, 0.0
     if todo:  # every file is there and valid: no model to load
         t1 = time.perf_counter()
         model = load_model(model_dir, dtype, str(dist.device), base_only=True, tensor_parallel=tensor)
+        if vocab and writes:  # the base model has no lm_head: read it alone from the checkpoint
+            from .train import load_target_head
+
+            teacher = TopkTeacher(load_target_head(model_dir)[1], vocab[0], vocab[1], cfg.topk, dist.device, dtype)
         model_load_s = time.perf_counter() - t1
-        warm_up(model, aux_ids, dtype, lean)
+        warm_up(model, aux_ids, dtype, lean, layout=layout if writes else None, teacher=teacher)
         warmup_s = time.perf_counter() - t1 - model_load_s
         if dist.main:
             log(f"device ready in {cuda_init_s:.1f} s, model loaded in {model_load_s:.1f} s, warmed up in {warmup_s:.1f} s; "
@@ -222,7 +266,9 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
             writer_threads=cfg.writer_threads,
             metadata=meta,
             lean=lean,
-            write=dist.main or not tensor,
+            write=writes,
+            layout=layout,
+            teacher=teacher,
         )
         if dist.device.type == "cuda":
             torch.cuda.synchronize()
@@ -251,7 +297,10 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         "tokens_extracted": new_tokens,
         "samples_resumed": resumed,
         "bytes_on_disk": bytes_on_disk(shard_dir),
-        "bytes_expected": tokens * bytes_per_token(hidden, dtype),
+        "bytes_expected": tokens * layout.bytes_per_token(),
+        "bytes_per_token": layout.bytes_per_token(),
+        "storage": cfg.storage,
+        "teacher": cfg.teacher,
         "aux_layer_ids": aux_ids,
         "dtype": cfg.dtype,
         "processes": dist.world,
@@ -260,6 +309,8 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         "hidden_size": hidden,
         "job_s": time.perf_counter() - t0,
     }
+    if cfg.teacher == "topk":
+        metadata.update(topk=cfg.topk, topk_mass=topk_mass(shard_dir, gens["row_id"].to_list()))
     if new_tokens:  # rates only for work done: a shard resumed whole has none to plot
         metadata.update({
             "tokens_per_s": new_tokens / extract_s,
@@ -270,6 +321,18 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
             "extract_s": extract_s,
         })
     return metadata
+
+
+def topk_mass(shard_dir: Path, row_ids: list[int], files: int = 64) -> float:
+    """Mean share of the target's probability that the stored top-k keeps, over the tokens of up
+    to `files` evenly spread sample files: how much of the teacher a top-k shard holds."""
+    from safetensors import safe_open
+
+    kept = []
+    for r in row_ids[:: max(1, len(row_ids) // files)][:files]:
+        with safe_open(str(sample_file(shard_dir, r)), framework="pt") as f:  # that tensor only, not the file
+            kept.append(f.get_tensor("topk_logprobs").float().exp().sum(-1))
+    return round(float(torch.cat(kept).mean()), 6) if kept else 0.0
 
 
 def _report_every(progress: DiskProgress, every: float, stop: threading.Event, log) -> None:

@@ -1,22 +1,36 @@
 """The hidden-state file contract: one safetensors file per sample, a manifest written last.
 
-Per sample, `<shard_dir>/<row_id:07d>.safetensors` holds `input_ids` int32 [T],
-`loss_mask` uint8 [T], `aux_hidden_states` [T, 3H] (the three aux layers,
-concatenated) and `last_hidden_state` [T, H] (after the final norm, so target
-logits = lm_head(last_hidden_state)); the safetensors metadata names the target,
-the layer ids, the dtype and the format version. Files are written under a
-temporary name and renamed: a file that exists is complete. `manifest.parquet`
-(row_id, file, tokens, bytes) is written last and marks the shard complete.
+Per sample, `<shard_dir>/<row_id:07d>.safetensors` holds `input_ids` int32 [T], `loss_mask`
+uint8 [T], `aux_hidden_states` [T, 3H] (the three aux layers, concatenated) and the teacher:
+`last_hidden_state` [T, H] (after the final norm, so target logits = lm_head(last_hidden_state)).
+The safetensors metadata names the target, the layer ids, the dtype and the format version.
+Files are written under a temporary name and renamed: a file that exists is complete.
+`manifest.parquet` (row_id, file, tokens, bytes) is written last and marks the shard complete.
 
-Every reader and checker of those files goes through this module: the extraction
-engine writes with `write_sample`, resume keeps what `validate_sample` accepts,
-training reads with `list_samples`/`read_sample`, and the checks predict bytes with
-`bytes_per_token`.
+Layouts (`SampleLayout`; `extraction.storage` x `extraction.teacher`):
+
+- storage `bf16`: the hidden states in the extraction dtype (bfloat16 unless set otherwise).
+  storage `fp8`: float8 e4m3 with a float32 scale per token and layer beside them,
+  `aux_scales` [T, 3] and `last_scale` [T, 1] (x = fp8 * scale).
+- teacher `last_hidden`: `last_hidden_state` as above. Teacher `topk`: in its place the target's
+  top-k next-token log-probabilities (under its full distribution) at the k most likely draft
+  tokens, `topk_ids` uint16 [T, k] (draft ids) and `topk_logprobs` float16 [T, k], and
+  `target_in_draft` uint8 [T] (1 where the target's full-vocabulary argmax is a draft token).
+
+Format version "1" is bf16 + last_hidden (every file written before the other layouts existed);
+"2" is any other layout, named in the metadata (`storage`, `teacher`, `topk`, `draft_vocab`: the
+fingerprint of the vocab map whose draft ids the file holds). Readers take every version.
+
+Every reader and checker of those files goes through this module: the extraction engine
+encodes with `encode_features` and writes with `write_sample`, resume keeps what
+`validate_sample` accepts, training reads with `list_samples`/`read_sample_slices`, and the
+disk preflight, the plan and the checks predict bytes with `SampleLayout.predict_bytes`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -32,35 +46,177 @@ from .files import atomic_path, atomic_write_parquet, remove_temporaries
 if TYPE_CHECKING:  # polars is imported where it is used: the engine's writers do not need it
     import polars as pl
 
-FORMAT_VERSION = "1"
 MANIFEST = "manifest.parquet"
-KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+STORAGES = ("bf16", "fp8")
+TEACHERS = ("last_hidden", "topk")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest float8 e4m3fn value: a token's largest |x| in a layer maps to it
+SCALE_DTYPE = torch.float32  # 4 bytes per token and layer: exact scales for a few bytes more than bf16
+TOPK_ID_DTYPE = torch.uint16  # draft ids: a draft vocabulary has at most 65,536 tokens
+TOPK_VALUE_DTYPE = torch.float16  # log-probabilities in [-1e4, 0]: fp16 keeps 11 significant bits, bf16 8
+MAX_DRAFT_VOCAB = 65536
+# k of the top-k teacher. 64 x 4 bytes (uint16 id + float16 value) is 1-2% of an fp8 token of an
+# 8B-1T target (where storage matters), and keeps on average 97% of the draft distribution that
+# training fits, where 32 keeps 95% (SmolLM2 teacher-forced on ShareGPT answers, a conservative
+# setting: benchmarks/results/topk_mass_smollm2_cpu.json). The tau comparison is still to measure.
+DEFAULT_TOPK = 64
+# Bytes a file may hold beyond its tensors: the safetensors JSON header (tensor names, shapes,
+# offsets, the metadata with the target's name) and its alignment; a bound, used by the disk
+# preflight, the plan and the checks alike.
+HEADER_BYTES_PER_FILE = 2048
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_ST_NAMES = {**DTYPE_NAMES, torch.int32: "I32", torch.uint8: "U8"}
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_ST_NAMES = {**DTYPE_NAMES, torch.int32: "I32", torch.uint8: "U8", torch.uint16: "U16", FP8: "F8_E4M3"}
 
 
 class DiskSpaceError(OSError):
     pass
 
 
+@dataclass(frozen=True)
+class SampleLayout:
+    """Which tensors a sample file holds, in which dtypes and shapes, and what a token costs."""
+
+    hidden_size: int
+    dtype: torch.dtype = torch.bfloat16  # the hidden states' dtype with storage "bf16"
+    storage: str = "bf16"
+    teacher: str = "last_hidden"
+    topk: int = DEFAULT_TOPK  # teacher "topk" only
+    draft_vocab: str | None = None  # teacher "topk": the vocab map's fingerprint; None: not checked
+    aux_layers: int = 3
+
+    def __post_init__(self):
+        if self.storage not in STORAGES or self.teacher not in TEACHERS:
+            raise ValueError(f"unknown layout storage={self.storage!r} teacher={self.teacher!r}; "
+                             f"storage is one of {STORAGES}, teacher one of {TEACHERS}")
+        if self.teacher == "topk" and not 1 <= self.topk <= MAX_DRAFT_VOCAB:
+            raise ValueError(f"topk must be in 1..{MAX_DRAFT_VOCAB}, got {self.topk}")
+
+    @property
+    def name(self) -> str:
+        """e.g. "bf16/last_hidden", "fp8/topk64" ("fp32/..." for float32 files of storage bf16)."""
+        stored = "fp8" if self.storage == "fp8" else _SHORT[self.dtype]
+        return f"{stored}/" + (f"topk{self.topk}" if self.teacher == "topk" else self.teacher)
+
+    @property
+    def format_version(self) -> str:
+        return "1" if (self.storage, self.teacher) == ("bf16", "last_hidden") else "2"
+
+    def tensors(self, tokens: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Every tensor of a file of `tokens` tokens: name -> (dtype, shape)."""
+        h, n, fp8 = self.hidden_size, self.aux_layers, self.storage == "fp8"
+        hidden = FP8 if fp8 else self.dtype
+        out = {"input_ids": (torch.int32, (tokens,)), "loss_mask": (torch.uint8, (tokens,)),
+               "aux_hidden_states": (hidden, (tokens, n * h))}
+        if fp8:
+            out["aux_scales"] = (SCALE_DTYPE, (tokens, n))
+        if self.teacher == "last_hidden":
+            out["last_hidden_state"] = (hidden, (tokens, h))
+            if fp8:
+                out["last_scale"] = (SCALE_DTYPE, (tokens, 1))
+        else:
+            out["topk_ids"] = (TOPK_ID_DTYPE, (tokens, self.topk))
+            out["topk_logprobs"] = (TOPK_VALUE_DTYPE, (tokens, self.topk))
+            out["target_in_draft"] = (torch.uint8, (tokens,))
+        return out
+
+    def bytes_per_token(self) -> int:
+        """Tensor bytes one token costs in a sample file (headers not included)."""
+        return sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.tensors(1).values())
+
+    def predict_bytes(self, tokens: int, samples: int) -> int:
+        """Bytes of `samples` files holding `tokens` tokens in all: the tensors exactly, the headers
+        bounded. The disk preflight, `eagle3 plan` and the shard check use this one prediction."""
+        return tokens * self.bytes_per_token() + samples * HEADER_BYTES_PER_FILE
+
+    def metadata(self) -> dict[str, str]:
+        """The layout's entries in a file's safetensors metadata."""
+        meta = {"format_version": self.format_version}
+        if self.format_version != "1":
+            meta.update(storage=self.storage, teacher=self.teacher)
+            if self.teacher == "topk":
+                meta.update(topk=str(self.topk), draft_vocab=self.draft_vocab or "")
+        return meta
+
+
 def sample_file(shard_dir: Path, row_id: int) -> Path:
     return shard_dir / f"{row_id:07d}.safetensors"
 
 
-def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
-    """Tensor bytes one token costs in a sample file (headers not included)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return 4 + 1 + 4 * hidden_size * item  # input_ids + loss_mask + 3H aux + H last
+# ---------------------------------------------------------------------------------------------
+# Encoding: what the engine computes on the device, and its inverse for the readers
+
+
+def quantize_fp8(x: torch.Tensor, layers: int, chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, layers*H] -> (float8 e4m3 [N, layers*H], float32 scales [N, layers]), one scale per
+    token and layer: that row's largest |x| maps to 448, so x = q * scale within fp8's 3-bit
+    mantissa (relative error <= 2^-4, plus 2^-10 * scale near zero). Rows are done in chunks so
+    the float32 temporaries of a 64k-token pack stay small."""
+    n, width = x.shape
+    h = width // layers
+    q = torch.empty((n, width), dtype=FP8, device=x.device)
+    scale = torch.empty((n, layers), dtype=SCALE_DTYPE, device=x.device)
+    for s in range(0, n, chunk_rows):
+        xs = x[s : s + chunk_rows].reshape(-1, layers, h).float()
+        # An all-zero row gets the smallest normal scale instead of 0: a valid file never holds a
+        # zero scale, so one is a sign of damage.
+        sc = (xs.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        q[s : s + chunk_rows] = (xs / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(-1, width).to(FP8)
+        scale[s : s + chunk_rows] = sc
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., layers*H] float8 with scale [..., layers] -> [..., layers*H] in `dtype` (any leading
+    dims: one sample [T, ...] or a padded batch [B, T, ...])."""
+    layers = scale.shape[-1]
+    x = q.reshape(*q.shape[:-1], layers, -1).float() * scale.float()[..., None]
+    return x.reshape(q.shape).to(dtype)
+
+
+def encode_features(aux: torch.Tensor, last: torch.Tensor, layout: SampleLayout, teacher=None) -> dict[str, torch.Tensor]:
+    """A pack's rows as the layout stores them (on the rows' device): aux [N, 3H] and last [N, H]
+    (after the final norm) -> the file's tensors but input_ids and loss_mask, each [N, ...].
+    `teacher(last)` gives the top-k tensors for teacher "topk" (`extract_engine.TopkTeacher`)."""
+    out = {}
+    if layout.storage == "fp8":
+        out["aux_hidden_states"], out["aux_scales"] = quantize_fp8(aux, layout.aux_layers)
+    else:
+        out["aux_hidden_states"] = aux.to(layout.dtype)
+    if layout.teacher == "last_hidden":
+        if layout.storage == "fp8":
+            out["last_hidden_state"], out["last_scale"] = quantize_fp8(last, 1)
+        else:
+            out["last_hidden_state"] = last.to(layout.dtype)
+    else:
+        if teacher is None:
+            raise ValueError("teacher 'topk' needs the top-k teacher (the target's lm_head and the vocab map)")
+        out.update(teacher(last))
+    return out
+
+
+def dequantize_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """fp8 hidden states times their scales, in `dtype`, under the same keys as bf16 files (the
+    scales are dropped); every other tensor as it is. Works on one sample or a padded batch."""
+    out = dict(tensors)
+    for key, scale_key in (("aux_hidden_states", "aux_scales"), ("last_hidden_state", "last_scale")):
+        if scale_key in out:
+            out[key] = dequantize_fp8(out[key], out.pop(scale_key), dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
 
 
 def write_sample(
-    path: Path, input_ids, loss_mask, aux: torch.Tensor, last: torch.Tensor, metadata: dict[str, str], fsync: bool = False
+    path: Path, input_ids, loss_mask, features: dict[str, torch.Tensor], metadata: dict[str, str], fsync: bool = False
 ) -> int:
+    """One sample file: its ids and loss mask, and `features` as `encode_features` made them."""
     tensors = {
         "input_ids": torch.as_tensor(input_ids, dtype=torch.int32),
         "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
-        "aux_hidden_states": aux,
-        "last_hidden_state": last,
+        **features,
     }
     return write_safetensors(path, tensors, metadata, fsync)
 
@@ -114,27 +270,39 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def validate_sample(path: Path, input_ids: list[int] | None, hidden_size: int, dtype: torch.dtype) -> bool:
-    """True when the file is a complete sample of the contract (for these ids, when given)."""
+def validate_sample(path: Path, input_ids: list[int] | None, layout: SampleLayout) -> bool:
+    """True when the file is a complete sample of `layout` (for these ids, when given): every
+    tensor of the layout in its dtype and shape and no other, the layout's format version (and
+    for topk its k and vocab map), and fp8 scales finite and positive."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            if set(f.keys()) != set(KEYS):
-                return False
             t = f.get_slice("input_ids").get_shape()[0]
-            ok = (
-                f.get_slice("loss_mask").get_shape() == [t]
-                and f.get_slice("aux_hidden_states").get_shape() == [t, 3 * hidden_size]
-                and f.get_slice("last_hidden_state").get_shape() == [t, hidden_size]
-                and f.get_slice("aux_hidden_states").get_dtype() == DTYPE_NAMES[dtype]
-            )
-            if ok and input_ids is not None:
-                ok = f.get_tensor("input_ids").tolist() == list(input_ids)
-        return ok and path.stat().st_size > 0
+            want = layout.tensors(t)
+            if set(f.keys()) != set(want):
+                return False
+            for key, (dtype, shape) in want.items():
+                sl = f.get_slice(key)
+                if sl.get_shape() != list(shape) or sl.get_dtype() != _ST_NAMES[dtype]:
+                    return False
+            meta = f.metadata() or {}
+            if meta.get("format_version", "1") != layout.format_version:
+                return False
+            if layout.teacher == "topk" and layout.draft_vocab and meta.get("draft_vocab") != layout.draft_vocab:
+                return False  # top-k over another draft vocabulary
+            for key in ("aux_scales", "last_scale"):
+                if key in want:
+                    s = f.get_tensor(key)
+                    if not bool((torch.isfinite(s) & (s > 0)).all()):
+                        return False
+            if input_ids is not None and f.get_tensor("input_ids").tolist() != list(input_ids):
+                return False
+        return path.stat().st_size > 0
     except Exception:  # truncated or garbage: not valid, will be rewritten
         return False
 
 
 def read_sample(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a file as stored (fp8 stays fp8): see `read_sample_slices` to decode."""
     from safetensors.torch import load_file
 
     return load_file(str(path))
@@ -164,9 +332,10 @@ def check_free_space(shard_dir: Path, needed: int) -> None:
 
 
 def plan_shard(
-    generations: pl.DataFrame, shard_dir: Path, hidden_size: int, dtype: torch.dtype
+    generations: pl.DataFrame, shard_dir: Path, layout: SampleLayout
 ) -> tuple[list[tuple[int, list[int], list[int]]], int]:
-    """Samples still to extract (valid files are kept), and how many were resumed."""
+    """Samples still to extract (valid files of this layout are kept; files of another layout, or
+    damaged ones, are redone), and how many were resumed."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     remove_temporaries(shard_dir)
     wanted = {sample_file(shard_dir, r).name for r in generations["row_id"]}
@@ -177,14 +346,12 @@ def plan_shard(
     for row in generations.iter_rows(named=True):
         path = sample_file(shard_dir, row["row_id"])
         if path.exists():
-            if validate_sample(path, row["input_ids"], hidden_size, dtype):
+            if validate_sample(path, row["input_ids"], layout):
                 resumed += 1
                 continue
-            path.unlink()  # truncated or stale: redo it
+            path.unlink()  # truncated, damaged or of another layout: redo it
         todo.append((row["row_id"], list(row["input_ids"]), list(row["loss_mask"])))
     return todo, resumed
-
-
 
 
 @dataclass
@@ -216,7 +383,10 @@ def list_samples(shard_dirs: list[str | Path]) -> list[SampleRef]:
     return refs
 
 
-def read_sample_slices(path: Path, max_length: int | None = None) -> dict[str, torch.Tensor]:
-    """The contract's tensors of one sample file, truncated to `max_length` tokens."""
+def read_sample_slices(path: Path, max_length: int | None = None, dequantize: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of one sample file, truncated to `max_length` tokens. With `dequantize` (the
+    default) fp8 hidden states come back as float32 under the same keys as bf16 files; without,
+    as stored with their scales (training moves them so and decodes on its device)."""
     with safe_open(str(path), framework="pt") as f:
-        return {key: f.get_slice(key)[:max_length] for key in KEYS}
+        tensors = {key: f.get_slice(key)[:max_length] for key in f.keys()}
+    return dequantize_features(tensors) if dequantize else tensors

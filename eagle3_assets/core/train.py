@@ -8,7 +8,10 @@ and the optimizer, restore a saved state, then the loop, each step one call to a
 The loss is the official `traineagle3` one: at TTT step k the drafter's distribution at index
 t is fitted (soft cross-entropy) to the target's distribution over the draft vocabulary at
 position t+k+1, i.e. for token t+k+2; positions whose target argmax is outside the draft
-vocabulary are masked; total = sum_k loss_decay^k * loss_k.
+vocabulary are masked; total = sum_k loss_decay^k * loss_k. The target's distribution comes
+from whichever teacher the files hold (`teacher_distribution`): softmax(lm_head(last hidden
+state)) over the draft vocabulary, or the stored top-k renormalized over its k ids. fp8 files
+are moved as stored and dequantized on the training device.
 
 Training is resumable: the full state (weights, optimizer, step, curve, training time so far)
 is saved every `save_every` steps and when a run is stopped on purpose (SIGTERM, or
@@ -40,7 +43,7 @@ from .config import STRICT, Fraction, NonNegativeFloat, NonNegativeInt, Positive
 from .distributed import Dist, setup
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
-from .sample_files import SampleRef, list_samples, read_sample_slices
+from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
 from .vocab import load_vocab_map
 
 
@@ -126,8 +129,9 @@ def _capped(tokens: int, max_length: int | None) -> int:
 
 
 def load_batch(batch: list[SampleRef], max_length: int | None) -> dict[str, torch.Tensor]:
-    """Read a batch from disk and right-pad it; `lengths` gives each sample's true length."""
-    return pad_batch([read_sample_slices(ref.path, max_length) for ref in batch])
+    """Read a batch from disk (as stored: fp8 stays fp8 until the device) and right-pad it;
+    `lengths` gives each sample's true length."""
+    return pad_batch([read_sample_slices(ref.path, max_length, dequantize=False) for ref in batch])
 
 
 def batches_forever(
@@ -148,8 +152,9 @@ def batches_forever(
 
 
 def preload_samples(refs: list[SampleRef], max_length: int | None, device: torch.device) -> dict:
-    """Read every sample once (truncated to max_length) onto `device`: path -> tensors."""
-    return {ref.path: {k: v.to(device) for k, v in read_sample_slices(ref.path, max_length).items()} for ref in refs}
+    """Read every sample once (truncated to max_length, as stored) onto `device`: path -> tensors."""
+    return {ref.path: {k: v.to(device) for k, v in read_sample_slices(ref.path, max_length, dequantize=False).items()}
+            for ref in refs}
 
 
 def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
@@ -167,13 +172,12 @@ def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
             out[i, : s[key].shape[0]] = s[key].to(dtype)
         return out
 
-    return {
-        "input_ids": pad("input_ids", torch.int64),
-        "loss_mask": pad("loss_mask", torch.int64),
-        "aux_hidden_states": pad("aux_hidden_states", samples[0]["aux_hidden_states"].dtype),
-        "last_hidden_state": pad("last_hidden_state", samples[0]["last_hidden_state"].dtype),
-        "lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
-    }
+    # Ids become int64 (indices); every other tensor keeps its stored dtype (fp8 and its scales
+    # included: padding is zeros, which dequantize to zeros).
+    as_index = {"input_ids", "loss_mask", "topk_ids"}
+    out = {key: pad(key, torch.int64 if key in as_index else samples[0][key].dtype) for key in samples[0]}
+    out["lengths"] = torch.tensor([s["input_ids"].shape[0] for s in samples])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +236,28 @@ def target_distribution(
         in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
         probs.append(torch.softmax((h @ draft_head.T).float(), dim=-1))
     return torch.cat(probs).view(B, T, -1), torch.cat(in_draft).view(B, T)
+
+
+@torch.no_grad()
+def topk_distribution(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """The stored top-k teacher as a distribution over the draft vocabulary ([B, T, draft_vocab],
+    float32): softmax of the k log-probabilities (renormalized over the k ids), zero elsewhere."""
+    p = torch.zeros((*topk_ids.shape[:-1], draft_vocab_size), dtype=torch.float32, device=topk_ids.device)
+    return p.scatter_(-1, topk_ids.long(), torch.softmax(topk_logprobs.float(), dim=-1))
+
+
+def teacher_distribution(
+    batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p over the draft vocabulary, whether the target's full-vocabulary argmax is a draft token)
+    from whichever teacher the batch holds: the last hidden state, or the stored top-k with
+    its recorded argmax flag. One loss (`ttt_loss`) trains on either."""
+    if "last_hidden_state" in batch:
+        return target_distribution(batch["last_hidden_state"], lm_head, t2d)
+    if "topk_ids" in batch:
+        return (topk_distribution(batch["topk_ids"], batch["topk_logprobs"], draft_vocab_size),
+                batch["target_in_draft"].bool())
+    raise KeyError(f"the batch holds no teacher (last_hidden_state or topk_ids): keys {sorted(batch)}")
 
 
 def ttt_loss(
@@ -396,11 +422,13 @@ def build_data(refs: list[SampleRef], cfg: TrainConfig, dist: Dist, start_step: 
     return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world), preload_s
 
 
-def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, batch: dict, cfg: TrainConfig, device):
+def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, batch: dict,
+                cfg: TrainConfig, device):
     """The TTT forward on one batch and its loss: (loss, per-step losses, per-step top-1 tallies)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
-    # The target's distribution, from its stored final hidden state: lm_head(last).
-    target_p, target_in_draft = target_distribution(batch["last_hidden_state"], target_head, t2d)
+    batch = dequantize_features(batch)  # fp8 files: hidden states times their scales, here on the device
+    # The target's distribution: lm_head(last hidden state), or the stored top-k.
+    target_p, target_in_draft = teacher_distribution(batch, target_head, t2d, draft_vocab_size)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         step_logits = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps)
     return ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
@@ -486,7 +514,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             lr = learning_rate(step, cfg, max_steps, clock.time_fraction())
             batch = next(data)
             batch_tokens = int(batch["lengths"].sum())  # lengths stay on the CPU: no sync
-            loss, step_losses, tallies = run_forward(ddp, target_head, model.t2d, batch, cfg, device)
+            loss, step_losses, tallies = run_forward(ddp, target_head, model.t2d, job.draft_vocab_size, batch, cfg, device)
             grad_norm = run_backward_and_update(loss, model, optimizer, lr, cfg)
 
             progress.step = step + 1
@@ -555,7 +583,10 @@ def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     Knobs that do not change the trajectory (logging, saving, the time limits) are left out."""
     ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
-    blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world])
+    with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
+        files = [sorted(f.keys()), f.metadata() or {}]
+    blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world,
+                                                                  files], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

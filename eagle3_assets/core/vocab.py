@@ -114,6 +114,14 @@ def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metad
         save_file(tensors, str(tmp), metadata={str(k): str(v) for k, v in metadata.items()})
 
 
+def vocab_map_fingerprint(d2t: torch.Tensor) -> str:
+    """Names a draft vocabulary by its content: top-k sample files record it, so files over another
+    vocabulary are redone rather than trained on."""
+    import hashlib
+
+    return f"{d2t.numel()}-" + hashlib.sha256(d2t.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Read `(d2t, t2d)` back and check that they describe the same draft vocabulary."""
     path = Path(path)
