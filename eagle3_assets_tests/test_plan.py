@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+
 import shutil
 from pathlib import Path
 

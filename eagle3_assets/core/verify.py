@@ -9,7 +9,7 @@ import polars as pl
 import torch
 
 from .files import TMP_SUFFIX, bytes_on_disk
-from .sample_files import HEADER_BYTES_PER_FILE, MANIFEST, SampleLayout, read_sample_slices, sample_file, validate_sample
+from .sample_files import MANIFEST, SampleLayout, read_sample_slices, sample_file, validate_sample
 
 
 def verify_shard(shard_dir: Path, generations_path: Path, layout: SampleLayout, spot_checks: int = 4):
