@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-
 import shutil
 from pathlib import Path
 
