@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .core.evaluate import EvalConfig
 from .core.extract_job import ExtractConfig
 from .core.generate import GenerationConfig
-from .core.prompts import EMBEDDED_PROMPTS
+from .core.prompts import EMBEDDED_PROMPTS, PromptSource
 from .core.target import EMBEDDED_MODEL
 from .core.train import TrainConfig
 from .core.vocab import VocabConfig
@@ -40,8 +40,14 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target_model: str = EMBEDDED_MODEL  # a Hugging Face folder, a .gguf file, or the embedded model
-    prompts_source: str = EMBEDDED_PROMPTS  # JSONL / JSON / Parquet, or the embedded ShareGPT set
-    max_prompts: int | None = Field(None, ge=1)  # keep the first N usable prompts
+    # JSONL / JSON / Parquet, an embedded set (embedded:sharegpt, embedded:chitchat), a generator
+    # (generator:reasoning-gym/<name>), or a list of them, each a string or a PromptSource
+    # ({source, max_prompts | weight, licence, seed}), read in order (README, "Prompt sources").
+    prompts_source: str | list[str | PromptSource] = EMBEDDED_PROMPTS
+    max_prompts: int | None = Field(None, ge=1)  # keep the first N usable prompts (of all sources)
+    # Drop prompts that share word 13-grams (8-grams when short) with MT-bench (every turn) or
+    # an eval.prompt_sets file, counted as dropped_contaminated (core/decontaminate.py).
+    decontaminate: bool = True
     max_prompt_tokens: int = Field(1024, ge=1)  # longer templated prompts are dropped and counted
     shard_size: int = Field(2000, ge=1)
     storage_root: str = ".eagle3/data"
@@ -113,14 +119,16 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
 
 def _paths_relative_to(settings: Settings, folder: Path) -> Settings:
     def place(value: str | None) -> str | None:
-        if value is None or value.startswith("embedded:") or Path(value).expanduser().is_absolute():
+        if value is None or value.startswith(("embedded:", "generator:")) or Path(value).expanduser().is_absolute():
             return value
         return str((folder / value).resolve())
 
     return settings.model_copy(update={
         "storage_root": place(settings.storage_root),
         "target_model": place(settings.target_model),
-        "prompts_source": place(settings.prompts_source),
+        "prompts_source": (place(settings.prompts_source) if isinstance(settings.prompts_source, str) else [
+            place(e) if isinstance(e, str) else dataclasses.replace(e, source=place(e.source))
+            for e in settings.prompts_source]),
         "model_cache_dir": place(settings.model_cache_dir),
         "eval": dataclasses.replace(settings.eval, prompt_sets=[place(p) for p in settings.eval.prompt_sets]),
     })

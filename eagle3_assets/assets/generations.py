@@ -16,6 +16,7 @@ from ..settings import Settings
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "generation")
+SETTINGS_USED_ALL_TURNS = ("max_prompt_tokens",)  # the budget of every later turn's prompt
 
 
 FORCE_TAG = "eagle3/force"  # set by `eagle3 run --force`: recompute even what could be reused
@@ -23,7 +24,9 @@ FORCE_TAG = "eagle3/force"  # set by `eagle3 run --force`: recompute even what c
 
 def build(settings: Settings):
     paths = layout(settings)
-    code_version = f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}"
+    all_turns = settings.generation.turns == "all"
+    used = SETTINGS_USED + (SETTINGS_USED_ALL_TURNS if all_turns else ())
+    code_version = f"{CODE_VERSION}-{settings.fingerprint(*used)}"
 
     @asset(
         name="generations",
@@ -34,7 +37,7 @@ def build(settings: Settings):
         pool=GPU_POOL,
         retry_policy=GPU_RETRY,
         code_version=code_version,
-        description="The target's answers per shard (Parquet: row_id, input_ids, loss_mask).",
+        description="The target's conversations per shard (Parquet: row_id, input_ids, loss_mask over its answers).",
     )
     def generations(context: AssetExecutionContext) -> MaterializeResult:
         start, end = shard_range(context.partition_key)
@@ -45,7 +48,8 @@ def build(settings: Settings):
                 "materialize `prompts` again"
             )
         out = paths.generations(context.partition_key)
-        rows_sha256 = hashlib.sha256(json.dumps(rows.select("row_id", "system", "prompt").rows()).encode()).hexdigest()
+        columns = ("row_id", "system", "prompt") + (("later_turns",) if all_turns else ())
+        rows_sha256 = hashlib.sha256(json.dumps(rows.select(*columns).rows()).encode()).hexdigest()
         # The prompt table changed (e.g. prompts were appended) but not this shard's rows, and the
         # code and settings are the same: the answers on disk are the ones we would compute.
         previous = _latest_metadata(context)
@@ -56,11 +60,14 @@ def build(settings: Settings):
                                                "reused": True, "rows_sha256": rows_sha256, "code_version": code_version,
                                                "path": MetadataValue.path(str(out))})
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
-        run = generate(settings.generation, model_dir, rows, out, log=context.log.info)
+        run = generate(settings.generation, model_dir, rows, out, max_prompt_tokens=settings.max_prompt_tokens,
+                       log=context.log.info)
         result = run.result
         return MaterializeResult(
             metadata={
-                "samples": result.samples,
+                "samples": result.samples,  # prompt rows x (1 + samples_per_prompt), less any with no answer
+                "prompts": len(rows),
+                **result.counts,  # turns asked; turns over the prompt budget; conversations cut by it
                 "tokens": result.tokens,
                 "prompt_tokens": result.prompt_tokens,
                 "answer_tokens": result.answer_tokens,

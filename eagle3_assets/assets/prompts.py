@@ -1,26 +1,30 @@
-"""`prompts`: normalize the prompt file and register the shard partitions."""
+"""`prompts`: normalize the prompt sources, drop what overlaps the evaluation sets, register the shard partitions."""
 
 import hashlib
+from pathlib import Path
 
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ..core.files import atomic_write_parquet
 from ..core.generate import template_ids
-from ..core.prompts import file_sha256, read_prompts, resolve_source
+from ..core.prompts import file_sha256, read_prompts, sources_sha256
 from ..core.shards import shard_keys
 from ..core.target import load_tokenizer, resolve_target
 from ..partitions import shards
 from ..resources import layout
 from ..settings import Settings
 
-CODE_VERSION = "1"
-SETTINGS_USED = ("target_model", "prompts_source", "max_prompts", "max_prompt_tokens", "shard_size")
+CODE_VERSION = "2"  # 2: later turns, source column, mixtures, decontamination
+SETTINGS_USED = ("target_model", "prompts_source", "max_prompts", "max_prompt_tokens", "shard_size", "decontaminate",
+                 "eval.prompt_sets", "generation.turns")
 
 
 def data_version(settings: Settings, source_sha256: str | None = None) -> str:
-    """The prompt file's content and the settings that shape the table: equal versions, equal rows.
-    `eagle3 run` compares it with the last materialization's to know whether the file changed."""
-    sha = source_sha256 or file_sha256(resolve_source(settings.prompts_source))
+    """The prompt sources' content and the settings that shape the table: equal versions, equal rows.
+    `eagle3 run` compares it with the last materialization's to know whether a file changed."""
+    sha = source_sha256 or sources_sha256(settings.prompts_source)
+    if settings.decontaminate:  # an edited evaluation file changes what is dropped
+        sha += ":" + ":".join(file_sha256(Path(p)) for p in settings.eval.prompt_sets if Path(p).is_file())
     return hashlib.sha256(f"{sha}:{settings.fingerprint(*SETTINGS_USED)}".encode()).hexdigest()[:16]
 
 
@@ -40,7 +44,15 @@ def build(settings: Settings):
         def too_long(system, prompt):
             return len(template_ids(tok, system, prompt)) > settings.max_prompt_tokens
 
-        table = read_prompts(settings.prompts_source, settings.max_prompts, too_long)
+        contaminated = None
+        if settings.decontaminate:
+            from ..core.decontaminate import Decontaminator, eval_texts
+
+            decon = Decontaminator(eval_texts(settings.eval.prompt_sets))
+            contaminated = decon.contaminated
+            context.log.info(f"decontamination against {decon.count} evaluation texts of {settings.eval.prompt_sets}")
+        table = read_prompts(settings.prompts_source, settings.max_prompts, too_long, contaminated,
+                             whole_conversations=settings.generation.turns == "all")
         atomic_write_parquet(table.rows, paths.prompts)
 
         keys = shard_keys(len(table.rows), settings.shard_size)
@@ -52,7 +64,8 @@ def build(settings: Settings):
         instance.add_dynamic_partitions(shards.name, [k for k in keys if k not in existing])
         context.log.info(f"{len(table.rows)} prompts in {len(keys)} shards; removed stale shards {stale}")
 
-        dropped = {f"dropped_{reason}": n for reason, n in sorted(table.dropped.items())}
+        counts = ({"contaminated": 0} if settings.decontaminate else {}) | table.dropped  # 0 says it was checked
+        dropped = {f"dropped_{reason}": n for reason, n in sorted(counts.items())}
         return MaterializeResult(
             metadata={
                 "rows": len(table.rows),
@@ -61,6 +74,13 @@ def build(settings: Settings):
                 "shards": len(keys),
                 "shard_keys": MetadataValue.json(keys),
                 "source": MetadataValue.path(table.source),
+                # per source: rows, licence, cap, drops; and the licences on their own to read at a glance
+                "sources": MetadataValue.json(table.sources),
+                "licences": MetadataValue.md("\n".join(f"- `{r['source']}`: {r['rows']} rows, {r['licence']}"
+                                                       for r in table.sources)),
+                **{f"rows_{_key(r['source'])}": r["rows"] for r in table.sources if len(table.sources) > 1},
+                "conversations_with_later_turns": int((table.rows["later_turns"].list.len() > 0).sum()),
+                "later_turns": int(table.rows["later_turns"].list.len().sum()),
                 "sha256": table.sha256,
                 "path": MetadataValue.path(str(paths.prompts)),
             },
@@ -68,3 +88,9 @@ def build(settings: Settings):
         )
 
     return prompts
+
+
+def _key(source: str) -> str:
+    """A metadata key for a source: its file stem or embedded/generator name."""
+    name = source.split("/")[-1].split(":")[-1].rsplit(".", 1)[0]
+    return "".join(c if c.isalnum() else "_" for c in name)[:40]

@@ -18,7 +18,7 @@ from typing import Callable
 
 import polars as pl
 
-from .generate import GenerationConfig, GenerationResult, generation_row, template_ids, write_generations
+from .generate import GenerationConfig, GenerationResult, converse, write_generations
 
 
 @dataclass
@@ -36,9 +36,12 @@ def generate(
     prompts: pl.DataFrame,
     out_path: Path,
     *,
+    max_prompt_tokens: int | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> EngineRun:
-    """Answer `prompts` with the engine `gen.engine` names; write the generations Parquet to `out_path`."""
+    """Answer `prompts` with the engine `gen.engine` names; write the generations Parquet to `out_path`.
+    `max_prompt_tokens` bounds the prompt of every later turn (`generate.converse`)."""
+    loop = dict(turns=gen.turns, samples_per_prompt=gen.samples_per_prompt, max_prompt_tokens=max_prompt_tokens)
     from .target import load_tokenizer
 
     if gen.engine == "vllm":
@@ -51,7 +54,7 @@ def generate(
         result = generate_shard_vllm(
             model_dir, tok, prompts, out_path, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
             temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-            tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, llm=llm, log=log,
+            tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, llm=llm, log=log, **loop,
         )
         return EngineRun(result, "vllm", load_s, f"cuda x{gen.tensor_parallel_size} (vLLM tensor parallel)")
 
@@ -75,41 +78,54 @@ def generate(
             log(f"generation engine: transformers ({why})")
             engine = "transformers"
     if engine == "native":
-        return _native(gen, model, tok, prompts, out_path, load_s, device, log)
+        return _native(gen, model, tok, prompts, out_path, load_s, device, log, loop)
 
     from .generate import generate_shard
 
     result = generate_shard(
         model, tok, prompts, out_path, batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, log=log,
+        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, log=log, **loop,
     )
     return EngineRun(result, "transformers", load_s, device)
 
 
 def _native(gen: GenerationConfig, model, tok, prompts: pl.DataFrame, out_path: Path, load_s: float, device: str,
-            log) -> EngineRun:
+            log, loop: dict) -> EngineRun:
     from .native_generate import generate_native
     from .target import eos_token_ids
 
-    encoded = {row["row_id"]: template_ids(tok, row["system"], row["prompt"]) for row in prompts.iter_rows(named=True)}
-    r = generate_native(
-        model, list(encoded.items()), eos_ids=eos_token_ids(model, tok), max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-        max_slots=gen.max_slots, gpu_memory_fraction=gen.gpu_memory_fraction, refill_every=gen.refill_every, log=log,
-    )
-    rows = [generation_row(row_id, encoded[row_id], answer, finished) for row_id, answer, finished in r.rows]
-    result = write_generations(rows, out_path, r.total_s)
-    log(f"native engine: {r.answer_tokens:,} answer tokens in {r.total_s:.1f} s ({r.tokens_per_s:,.0f} tok/s; "
-        f"set-up {r.extra['setup_s']:.1f} s, prefill {r.prefill_s:.1f} s, decode {r.decode_s:.1f} s), "
-        f"mean slot occupancy {r.mean_occupancy:.2f} of {r.slots} slots")
+    eos_ids = eos_token_ids(model, tok)
+    calls = []  # one engine call per turn and sampling mode
+
+    def answer(batch, sampled):
+        r = generate_native(
+            model, batch, eos_ids=eos_ids, max_new_tokens=gen.max_new_tokens, do_sample=sampled,
+            temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_slots=gen.max_slots,
+            gpu_memory_fraction=gen.gpu_memory_fraction, refill_every=gen.refill_every, log=log,
+        )
+        calls.append(r)
+        return [(a, f) for _, a, f in r.rows]
+
+    rows, counts = converse(answer, tok, prompts, eos_ids, do_sample=gen.do_sample, log=log, **loop)
+    total_s = sum(r.total_s for r in calls)
+    result = write_generations(rows, out_path, total_s, counts)
+    steps = sum(r.decode_steps for r in calls)
+    occupancy = sum(r.mean_occupancy * r.decode_steps for r in calls) / steps if steps else 0.0
+    answer_tokens = sum(r.answer_tokens for r in calls)
+    log(f"native engine: {answer_tokens:,} answer tokens in {total_s:.1f} s "
+        f"({answer_tokens / total_s if total_s else 0:,.0f} tok/s; {len(calls)} calls, set-up "
+        f"{sum(r.extra['setup_s'] for r in calls):.1f} s, prefill {sum(r.prefill_s for r in calls):.1f} s, decode "
+        f"{sum(r.decode_s for r in calls):.1f} s), mean slot occupancy {occupancy:.2f}")
+    last = calls[-1] if calls else None
     return EngineRun(result, "native", load_s, device, {
-        "setup_s": round(r.extra["setup_s"], 3),
-        "prefill_s": round(r.prefill_s, 3),
-        "decode_s": round(r.decode_s, 3),
-        "decode_steps": r.decode_steps,
-        "mean_slot_occupancy": round(r.mean_occupancy, 4),
-        "slots": r.slots,
-        "kv_cache_bytes": r.kv_cache_bytes,
-        "cuda_graph": r.cuda_graph,
-        "attention": r.attention,
+        "setup_s": round(sum(r.extra["setup_s"] for r in calls), 3),
+        "prefill_s": round(sum(r.prefill_s for r in calls), 3),
+        "decode_s": round(sum(r.decode_s for r in calls), 3),
+        "decode_steps": steps,
+        "mean_slot_occupancy": round(occupancy, 4),
+        "slots": max((r.slots for r in calls), default=0),
+        "kv_cache_bytes": max((r.kv_cache_bytes for r in calls), default=0),
+        "cuda_graph": bool(last and last.cuda_graph),
+        "attention": last.attention if last else "",
+        "engine_calls": len(calls),
     })

@@ -13,8 +13,11 @@ The mapping onto vLLM's API (`vllm.LLM`, `vllm.SamplingParams`, `LLM.generate`,
 
 - greedy is `temperature=0` (vLLM: "Zero means greedy sampling"); sampling passes
   `temperature` and `top_p`;
-- every request gets its own `seed = settings seed + row_id`, so a row's answer does
-  not depend on which shard or batch it landed in;
+- every request gets its own `seed = settings seed + sampling id` (the row id at the first
+  turn; `generate.sampling_id` for later turns), so a row's answer does not depend on which
+  shard or batch it landed in;
+- later turns and extra samples come from the shared turn loop (`generate.converse`), which
+  calls `LLM.generate` once per turn and sampling mode;
 - `stop_token_ids` are the target's EOS ids (generation config + tokenizer), as the
   transformers engine stops on them; vLLM keeps a stop token in `token_ids`
   (`check_stop` appends before it stops), and the row keeps it too: the drafter
@@ -33,7 +36,7 @@ from typing import Callable
 
 import polars as pl
 
-from .generate import GenerationResult, cut_at_eos, generation_row, template_ids, write_generations
+from .generate import GenerationResult, converse, cut_at_eos, write_generations
 from .target import eos_token_ids
 
 
@@ -88,6 +91,9 @@ def generate_shard_vllm(
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
     llm=None,
+    turns: str = "first",
+    samples_per_prompt: int = 0,
+    max_prompt_tokens: int | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> GenerationResult:
     """Answer `prompts` (row_id, system, prompt) with vLLM and write the generations Parquet.
@@ -99,38 +105,36 @@ def generate_shard_vllm(
         llm = load_vllm(model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed)
         log(f"vLLM loaded {model_dir} in {time.perf_counter() - t0:.1f} s (tensor parallel {tensor_parallel_size})")
     eos_ids = eos_token_ids(Path(model_dir), tokenizer)
-    encoded = [
-        (int(row["row_id"]), template_ids(tokenizer, row["system"], row["prompt"]))
-        for row in prompts.iter_rows(named=True)
-    ]
-    requests = [{"prompt_token_ids": ids} for _, ids in encoded]  # vllm.inputs.TokensPrompt is this TypedDict
-    params = [
-        sampling_params(
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed + row_id,
-            eos_ids=eos_ids,
-        )
-        for row_id, _ in encoded
-    ]
-    start = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False) if requests else []
-    elapsed = time.perf_counter() - start
-    if len(outputs) != len(encoded):
-        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(encoded)} prompts")
-    rows = []
-    for (row_id, ids), out in zip(encoded, outputs):
-        if list(out.prompt_token_ids) != ids:  # LLM.generate returns outputs in input order
-            raise RuntimeError(f"vLLM output for row {row_id} answers a different prompt")
-        completion = out.outputs[0]
-        answer, finished = cut_at_eos(list(completion.token_ids), eos_ids)
-        stop = getattr(completion, "stop_reason", None)
-        if not finished and completion.finish_reason == "stop" and isinstance(stop, int) and stop in eos_ids:
-            # A stop token that the engine left out of token_ids: keep it, the drafter learns to stop.
-            answer, finished = answer + [stop], True
-        rows.append(generation_row(row_id, ids, answer, finished))
-    result = write_generations(rows, out_path, elapsed)
+    elapsed = 0.0
+
+    def answer(batch: list[tuple[int, list[int]]], sampled: bool) -> list[tuple[list[int], bool]]:
+        nonlocal elapsed
+        requests = [{"prompt_token_ids": ids} for _, ids in batch]  # vllm.inputs.TokensPrompt is this TypedDict
+        params = [
+            sampling_params(max_new_tokens=max_new_tokens, do_sample=sampled, temperature=temperature, top_p=top_p,
+                            seed=seed + key, eos_ids=eos_ids)
+            for key, _ in batch
+        ]
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False) if requests else []
+        elapsed += time.perf_counter() - start
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(batch)} prompts")
+        out = []
+        for (key, ids), o in zip(batch, outputs):
+            if list(o.prompt_token_ids) != ids:  # LLM.generate returns outputs in input order
+                raise RuntimeError(f"vLLM output for request {key} answers a different prompt")
+            completion = o.outputs[0]
+            ans, finished = cut_at_eos(list(completion.token_ids), eos_ids)
+            stop = getattr(completion, "stop_reason", None)
+            if not finished and completion.finish_reason == "stop" and isinstance(stop, int) and stop in eos_ids:
+                # A stop token that the engine left out of token_ids: keep it, the drafter learns to stop.
+                ans, finished = ans + [stop], True
+            out.append((ans, finished))
+        return out
+
+    rows, counts = converse(answer, tokenizer, prompts, eos_ids, turns=turns, samples_per_prompt=samples_per_prompt,
+                            do_sample=do_sample, max_prompt_tokens=max_prompt_tokens, log=log)
+    result = write_generations(rows, out_path, elapsed, counts)
     log(f"generated {result.samples} samples, {result.answer_tokens} answer tokens with vLLM in {elapsed:.1f} s")
     return result
