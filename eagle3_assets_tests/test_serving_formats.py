@@ -282,7 +282,11 @@ def vllm_capture(hf_hidden_states, layer_ids):
 def vllm_load(checkpoint_dir, target_embed):
     cfg = vllm_hf_config(checkpoint_dir)
     p = Params(cfg, engine_param_shapes(cfg, "model.layers.0"))
-    p["draft_id_to_target_id"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.long)
+    # Newer trees build the map only for a reduced vocabulary (`if draft_vocab_size !=
+    # target_vocab_size: ... else: None`); older ones always, at zeros. A d2t with no parameter
+    # to go to raises (AutoWeightsLoader); without a d2t the map is skipped.
+    if cfg["draft_vocab_size"] != cfg["vocab_size"]:
+        p["draft_id_to_target_id"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.long)
     # Eagle3LlamaForCausalLM.load_weights
     model_weights, includes_embed = {}, False
     for name, w in read_weights(checkpoint_dir):
@@ -324,6 +328,8 @@ def vllm_draft(cfg, p, input_ids, aux, positions):
     hidden_states, residual = eagle3_first_layer(p, "model.layers.0", positions, embeds, hidden_states, cfg)
     hidden_states, _prenorm = rms_norm(hidden_states, p["model.norm.weight"], cfg["rms_norm_eps"], residual)
     logits = hidden_states @ p["lm_head.weight"].T
+    if "draft_id_to_target_id" not in p:  # compute_logits: the logits are over the target's vocabulary
+        return logits, logits.argmax(-1)
     targets = torch.arange(cfg["draft_vocab_size"]) + p["draft_id_to_target_id"]
     full = logits.new_full((logits.shape[0], cfg["vocab_size"]), float("-inf"))
     full[:, targets] = logits
@@ -523,19 +529,24 @@ def test_missing_draft_vocab_size_is_flagged(world, tmp_path):
         assert any("draft_vocab_size" in p for p in validate_for_engine(bad, engine))
     # What the engines would do: both size lm_head over the full vocab (vLLM defaults
     # draft_vocab_size to vocab_size; SGLang, when it is None, plans to take the target's head),
-    # so our [draft_vocab, H] lm_head (and, in vLLM, our d2t) no longer fit.
-    with pytest.raises(AssertionError, match="256 != 64"):
+    # so our [draft_vocab, H] lm_head no longer fits, and in vLLM our d2t has no map to go to
+    # (older trees: 256 != 64 on the map).
+    with pytest.raises(KeyError, match="draft_id_to_target_id"):
         vllm_load(bad, world["embed"])
     with pytest.raises(AssertionError, match="lm_head"):
         sglang_load(bad, world["embed"])
 
 
-def test_unexpected_weight_is_flagged_and_breaks_vllm(world, tmp_path):
+def test_unexpected_weight_is_flagged_whatever_the_engine_does_with_it(world, tmp_path):
+    """vLLM's fc has no bias: the tree read raises on `fc.bias` (issue 16 reports 0.33 drops it);
+    SGLang skips it unless the config says `bias: true`. Neither serves the drafter as trained."""
     bad = write_engine_checkpoint(world["ckpt"], tmp_path / "bias", "vllm")
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["fc.bias"] = torch.zeros(64)
     save_file(tensors, str(bad / "model.safetensors"))
-    assert any("fc.bias" in p for p in validate_for_engine(bad, "vllm"))
+    for engine in ("vllm", "sglang"):
+        problems = [p for p in validate_for_engine(bad, engine) if "fc.bias" in p]
+        assert problems and "vLLM raises or drops them; SGLang skips them silently" in problems[0]
     with pytest.raises(KeyError):
         vllm_load(bad, world["embed"])
     assert sglang_load(bad, world["embed"])[3] == ["fc.bias"]  # SGLang drops it silently
@@ -608,6 +619,60 @@ def test_speculators_export_without_norm_before_residual_is_flagged(world, tmp_p
 
 def test_export_rejects_wrong_embeddings_and_leaves_no_temporaries(world, tmp_path):
     with pytest.raises(ValueError, match="embed_tokens_weight"):
-        export_speculators(world["ckpt"], tmp_path / "x", world["embed"][:10], "t")
-    out = export_speculators(world["ckpt"], tmp_path / "y", world["embed"], "t")
+        export_speculators(world["ckpt"], tmp_path / "x", world["embed"][:10], "org/t")
+    out = export_speculators(world["ckpt"], tmp_path / "y", world["embed"], "org/t")
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_speculators_export_names_a_target_vllm_resolves(world, tmp_path):
+    from eagle3_assets.core.export import verifier_name
+
+    assert verifier_name("embedded:SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert verifier_name(str(world["target_dir"])) == str(world["target_dir"])  # the path the user gave
+    with pytest.raises(ValueError, match="neither a Hugging Face id"):
+        export_speculators(world["ckpt"], tmp_path / "x", world["embed"], "embedded:SmolLM2-135M-Instruct")
+    out = export_speculators(world["ckpt"], tmp_path / "s", world["embed"], "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert validate_for_engine(out, "vllm") == []
+    cfg = json.loads((out / "config.json").read_text())
+    for name in ("embedded:SmolLM2-135M-Instruct", "no/such/folder/model", ""):
+        cfg["speculators_config"]["verifier"]["name_or_path"] = name
+        (out / "config.json").write_text(json.dumps(cfg))
+        assert any("verifier.name_or_path" in p for p in validate_for_engine(out, "vllm")), name
+
+
+@pytest.fixture(scope="module")
+def full_vocab_ckpt(world):
+    """The same drafter over the target's whole vocabulary: d2t is all zeros, t2d all true."""
+    config = DrafterConfig.from_target_config(
+        __import__("transformers").AutoConfig.from_pretrained(world["target_dir"]), TINY_VOCAB, AUX)
+    torch.manual_seed(3)
+    drafter = Eagle3Drafter(config, world["embed"])
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.2)
+    drafter.set_vocab_map(torch.zeros(TINY_VOCAB, dtype=torch.long), torch.ones(TINY_VOCAB, dtype=torch.bool))
+    return drafter.eval(), save_checkpoint(drafter, world["root"] / "full_vocab", dtype=torch.float32)
+
+
+def test_full_vocabulary_drafter_is_exported_the_way_vllm_loads_it(world, full_vocab_ckpt, tmp_path):
+    drafter, ckpt = full_vocab_ckpt
+    # As trained it carries d2t, which a vLLM that builds no map for a full vocabulary cannot load.
+    assert any("full-vocabulary" in p for p in validate_for_engine(ckpt, "vllm"))
+    with pytest.raises(KeyError):
+        vllm_load(ckpt, world["embed"])
+    ids, aux, positions = engine_inputs(world, world["aux"])
+    with torch.no_grad():
+        ours = drafter.ttt_forward(world["input_ids"], world["aux"], steps=1)[0][0, : SEQ - 1]
+    for out in (write_engine_checkpoint(ckpt, tmp_path / "vllm", "vllm"),
+                export_speculators(ckpt, tmp_path / "spec", world["embed"], "org/target")):
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            assert not {"d2t", "t2d"} & set(f.keys())
+        assert validate_for_engine(out, "vllm", extracted_layer_ids=AUX) == []
+        cfg, p = vllm_load(out, world["embed"])
+        logits, target_ids = vllm_draft(cfg, p, ids, aux, positions)
+        torch.testing.assert_close(logits, ours, rtol=1e-5, atol=1e-5)
+        assert torch.equal(target_ids, ours.argmax(-1))
+    # SGLang's copy keeps the identity map (hot_token_id = arange), which it loads.
+    sglang = write_engine_checkpoint(ckpt, tmp_path / "sglang", "sglang")
+    assert validate_for_engine(sglang, "sglang", extracted_layer_ids=AUX) == []
+    assert torch.equal(sglang_load(sglang, world["embed"])[2], torch.arange(TINY_VOCAB))

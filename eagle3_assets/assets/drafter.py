@@ -5,10 +5,12 @@ resource through Dagster Pipes. Its state is kept under `drafter_state/` while i
 killed or stopped training continues on the next materialization with the same settings.
 """
 
+import json
+
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ResourceParam, asset
 from safetensors import safe_open
 
-from ..core.export import export_speculators, validate_for_engine, write_engine_checkpoint
+from ..core.export import export_speculators, validate_for_engine, verifier_name, write_engine_checkpoint
 from ..core.sample_files import MANIFEST
 from ..core.target import resolve_target
 from ..core.train import TrainJob, load_target_head
@@ -61,9 +63,12 @@ def build(settings: Settings):
         # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
         exports = {e: write_engine_checkpoint(paths.drafter, paths.drafter_export(e), e) for e in ("vllm", "sglang")}
         embed, _, _ = load_target_head(model_dir)
+        # vLLM resolves the verifier by Hugging Face id or path: the embedded target by its id,
+        # a user's target by the path they gave; the architectures come from the folder we load.
         exports["speculators"] = export_speculators(
-            paths.drafter, paths.drafter_export("speculators"), embed, settings.target_model,
+            paths.drafter, paths.drafter_export("speculators"), embed, verifier_name(settings.target_model),
             speculative_tokens=settings.training.ttt_steps,
+            verifier_architectures=_architectures(model_dir),
         )
         for engine, path in (("vllm", exports["vllm"]), ("sglang", exports["sglang"]), ("vllm", exports["speculators"])):
             problems = validate_for_engine(path, engine, extracted_layer_ids=aux_ids)
@@ -81,3 +86,7 @@ def _aux_layer_ids(shard_dir) -> list[int]:
     first = next(shard_dir.glob("*.safetensors"))
     with safe_open(str(first), framework="pt") as f:
         return [int(x) for x in f.metadata()["aux_layer_ids"].split(",")]
+
+
+def _architectures(model_dir) -> list[str]:
+    return list(json.loads((model_dir / "config.json").read_text()).get("architectures") or [])

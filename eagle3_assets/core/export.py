@@ -18,7 +18,16 @@ How the engines read it (source read for this module; paths are in the public re
     `gate_up_proj`; `embed_tokens` optional (the target's are shared when absent); `fc` input is
     `3 * target_hidden_size` (falls back to `3 * hidden_size`), no bias; a missing
     `draft_vocab_size` silently defaults to `vocab_size`; `norm_before_residual` defaults to
-    False for this layout.
+    False for this layout. A weight it has no parameter for: the tree read (commit 00bd149)
+    hands it to `LlamaModel.load_weights`, whose `params_dict[name]` raises KeyError (an
+    `fc.bias`, say); issue 16 reports that vLLM 0.33 ignores it instead. Either way the drafter
+    vLLM serves is not the trained one, so the validator refuses any unexpected weight.
+    A full-vocabulary drafter (`draft_vocab_size == vocab_size`): newer trees build no
+    `draft_id_to_target_id` at all (`if draft_vocab_size != target_vocab_size: ... else: None`,
+    as in the DFlash and Eagle3 variants of 2026), so a `d2t` in the weights has nowhere to go
+    and the load fails; without `d2t` every version loads (`skip_substrs` then skips the map,
+    which older trees leave at zeros: the identity). Our vLLM copies of such a drafter carry
+    neither `d2t` nor `t2d`.
   * `vllm/v1/worker/gpu_model_runner.py` (`_get_eagle3_aux_layers_from_config`, in newer trees
     `get_eagle3_aux_layers_from_config`): reads the draft config's TOP-LEVEL
     `eagle_aux_hidden_state_layer_ids` first; some versions then fall back to
@@ -28,17 +37,23 @@ How the engines read it (source read for this module; paths are in the public re
   * `vllm/transformers_utils/configs/speculators/{base,algos}.py`: the `speculators` adapter.
     It requires `speculators_model_type`, `transformer_layer_config` (a dict, becomes the HF
     config), `speculators_config.proposal_methods[0].speculative_tokens` and
-    `speculators_config.verifier.name_or_path`; `update_eagle3` copies `draft_vocab_size`,
+    `speculators_config.verifier.name_or_path` (the target vLLM resolves: a Hugging Face id
+    `org/name` or a path; never our `embedded:` names); `update_eagle3` copies `draft_vocab_size`,
     `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` and `norm_before_residual` —
     which DEFAULTS TO TRUE there when absent (speculators' own default is False), so it must be
     written explicitly.
 - SGLang, `sgl-project/sglang`:
   * `python/sglang/srt/models/llama_eagle3.py` (`LlamaForCausalLMEagle3.load_weights`): `d2t`
-    becomes `hot_token_id = d2t + arange` (target id of each draft id), `t2d` skipped, names kept
-    (`midlayer.*` stays `model.midlayer.*`), q/k/v and gate/up stacked, names not found are
-    SKIPPED SILENTLY; `tie_word_embeddings: true` makes `lm_head` the embeddings;
-    `draft_vocab_size: null` loads the target's full lm_head instead; `fc` input is
-    `3 * target_hidden_size`.
+    becomes `hot_token_id = d2t + arange` (target id of each draft id), `t2d` skipped, names not
+    found are SKIPPED SILENTLY, q/k/v and gate/up stacked. Its first layer: in the tree read
+    (commit 03d5a77) the module is `model.midlayer` (built with the prefix `midlayers.0`), so
+    the checkpoint's `midlayer.*` names load as they are; issue 16 reports that 0.5.23 renames
+    them on load. Either way our `midlayer.*` names load, and other names (the speculators
+    layout's `layers.0.*`) would be skipped silently, which the validator catches as missing
+    weights. `fc` is `nn.Linear(3 * target_hidden_size, hidden_size, bias=config.bias)`: an
+    `fc.bias` loads only with `bias: true` in the config and is skipped otherwise.
+    `tie_word_embeddings: true` makes `lm_head` the embeddings; `draft_vocab_size: null` loads
+    the target's full lm_head instead.
   * `python/sglang/srt/model_executor/model_runner.py`: reads ONLY
     `eagle_config["eagle_aux_hidden_state_layer_ids"]` of the draft config and passes it to the
     target's `set_eagle3_layers_to_capture` (`python/sglang/srt/models/llama.py`), which captures
@@ -58,7 +73,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -154,15 +169,34 @@ def engine_config(config: dict, engine: Engine) -> dict:
     return out
 
 
+def full_vocab(config: dict) -> bool:
+    """A drafter over the target's whole vocabulary: its d2t is the identity."""
+    return config.get("draft_vocab_size") is not None and config.get("draft_vocab_size") == config.get("vocab_size")
+
+
+def _without_vocab_map(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """The weights of a full-vocabulary drafter as vLLM loads them: no d2t (vLLM has no place for
+    it, see the module doc) and no t2d (skipped anyway)."""
+    d2t = tensors.get("d2t")
+    if d2t is not None and bool(d2t.to(torch.int64).any()):
+        raise ValueError(f"{where}: draft_vocab_size equals vocab_size but d2t is not the identity (all zeros)")
+    return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+
+
 def write_engine_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, engine: Engine) -> Path:
     """Copy a drafter checkpoint with its config rewritten by `engine_config` (weights first,
-    config last, each through a temporary name)."""
+    config last, each through a temporary name). vLLM's copy of a full-vocabulary drafter
+    leaves out d2t and t2d (`_without_vocab_map`)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = json.loads((checkpoint_dir / CONFIG_NAME).read_text())
     new_config = engine_config(config, engine)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights, cfg = out_dir / WEIGHTS_NAME, out_dir / CONFIG_NAME
-    shutil.copyfile(checkpoint_dir / WEIGHTS_NAME, tmp_name(weights))
+    with safe_open(str(checkpoint_dir / WEIGHTS_NAME), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    if engine == "vllm" and full_vocab(config):
+        tensors = _without_vocab_map(tensors, checkpoint_dir)
+    save_file(tensors, str(tmp_name(weights)), metadata=metadata)
     os.replace(tmp_name(weights), weights)
     tmp_name(cfg).write_text(json.dumps(new_config, indent=2) + "\n")
     os.replace(tmp_name(cfg), cfg)
@@ -187,6 +221,28 @@ def _read_checkpoint(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor
         if tuple(tensors[key].shape) != shape:
             raise ValueError(f"{checkpoint_dir}: {key!r} has shape {tuple(tensors[key].shape)}, expected {shape}")
     return config, tensors
+
+
+# The Hugging Face ids of the embedded targets (`core/target.py` EMBEDDED_MODELS): what vLLM
+# resolves for the verifier, as `embedded:` names mean nothing outside this project.
+EMBEDDED_HF_IDS = {"embedded:SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def verifier_name(target_model: str) -> str:
+    """The target as vLLM can name it: an embedded target's Hugging Face id, else the path or id
+    the user gave (a relative path made absolute, as the settings already do)."""
+    if target_model in EMBEDDED_HF_IDS:
+        return EMBEDDED_HF_IDS[target_model]
+    if target_model.startswith("embedded:"):
+        raise ValueError(f"{target_model} has no known Hugging Face id; add it to EMBEDDED_HF_IDS")
+    path = Path(target_model).expanduser()
+    return str(path.resolve()) if path.exists() else target_model
+
+
+def resolvable_by_vllm(name: str) -> bool:
+    """vLLM resolves a verifier as an existing path or a Hugging Face id `org/name`."""
+    return bool(name) and (Path(name).expanduser().exists() or (_HF_ID.fullmatch(name) is not None and ".." not in name))
 
 
 def _verifier_architectures(target_model_name_or_path: str) -> list[str]:
@@ -303,6 +359,11 @@ def export_speculators(
         out[name] = tensor
     out["d2t"] = out["d2t"].to(torch.int64)
     out["t2d"] = out["t2d"].to(torch.bool)
+    if full_vocab(config):
+        out = _without_vocab_map(out, checkpoint_dir)
+    if not resolvable_by_vllm(target_model_name_or_path):
+        raise ValueError(f"verifier {target_model_name_or_path!r} is neither a Hugging Face id (org/name) nor an "
+                         "existing path: vLLM could not load the target it names (use verifier_name)")
     out["embed_tokens.weight"] = embed_tokens_weight.detach().to(dtype=dtype, device="cpu")
     out = {k: v.contiguous() for k, v in out.items()}
     new_config = speculators_config(config, target_model_name_or_path, speculative_tokens, verifier_architectures)
@@ -358,7 +419,8 @@ def _check_ids(
         problems.append(f"{len(read_ids)} aux layer ids; the fc input is 3 * target_hidden_size")
 
 
-def _check_weights(problems: list[str], weights_path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def _check_weights(problems: list[str], weights_path: Path, shapes: dict[str, tuple[int, ...]],
+                   ignored: frozenset = frozenset(), full_d2t_problem: str | None = None) -> dict[str, torch.Tensor]:
     if not weights_path.exists():
         problems.append(f"{weights_path.name} missing")
         return {}
@@ -370,17 +432,33 @@ def _check_weights(problems: list[str], weights_path: Path, shapes: dict[str, tu
                 problems.append(f"weights lack {key!r}")
             elif tuple(f.get_slice(key).get_shape()) != shape:
                 problems.append(f"{key!r} has shape {tuple(f.get_slice(key).get_shape())}, expected {shape}")
-    extra = sorted(keys - set(shapes) - {"embed_tokens.weight"})
+    extra = sorted(keys - set(shapes) - {"embed_tokens.weight"} - ignored)
     if extra:
-        # vLLM's loader raises on a name it has no parameter for (e.g. fc.bias: its fc has no
-        # bias); SGLang's skips it silently.
-        problems.append(f"unexpected weights {extra}: vLLM fails on them, SGLang ignores them")
+        # Neither engine serves them as trained: vLLM's fc has no bias and its loader raises on a
+        # name it has no parameter for (or, where it skips it, drops it); SGLang skips names it
+        # does not have (fc.bias too, unless the config says bias: true). See the module doc.
+        problems.append(f"unexpected weights {extra}: the engines would fail on them or serve the drafter "
+                        "without them (vLLM raises or drops them; SGLang skips them silently)")
+    if "d2t" in keys and full_d2t_problem:
+        problems.append(full_d2t_problem)
     if "d2t" in tensors and "t2d" in tensors:
         d2t, t2d = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
         target_ids = torch.arange(d2t.numel()) + d2t
         if int(t2d.sum()) != d2t.numel() or not torch.equal(target_ids, torch.nonzero(t2d).flatten()):
             problems.append("d2t and t2d disagree: arange + d2t must be exactly the ids where t2d is True")
     return tensors
+
+
+def _vocab_map_rules(config: dict, engine: Engine, shapes: dict) -> tuple[dict, dict]:
+    """Expected shapes and `_check_weights` options: a full-vocabulary drafter served by vLLM
+    must come without d2t (module doc); t2d is skipped by name, harmless."""
+    if engine != "vllm" or not full_vocab(config):
+        return shapes, {}
+    shapes = {k: v for k, v in shapes.items() if k not in ("d2t", "t2d")}
+    return shapes, {"ignored": frozenset({"t2d"}), "full_d2t_problem": (
+        "d2t in the weights of a full-vocabulary drafter (draft_vocab_size == vocab_size): vLLM builds no "
+        "draft_id_to_target_id then and fails to load it; export with write_engine_checkpoint(..., 'vllm') "
+        "or export_speculators, which leave it out")}
 
 
 def _validate_official(
@@ -435,7 +513,8 @@ def _validate_official(
     except (ValueError, TypeError) as e:
         problems.append(f"config unreadable: {e}")
         return problems
-    _check_weights(problems, checkpoint_dir / WEIGHTS_NAME, shapes)
+    shapes, options = _vocab_map_rules(config, engine, shapes)
+    _check_weights(problems, checkpoint_dir / WEIGHTS_NAME, shapes, **options)
     return problems
 
 
@@ -450,6 +529,10 @@ def _validate_speculators(
         spec = config["speculators_config"]
         _ = spec["proposal_methods"][0]["speculative_tokens"]
         _ = spec["verifier"]["name_or_path"]
+        if not isinstance(spec["verifier"]["name_or_path"], str) or not resolvable_by_vllm(spec["verifier"]["name_or_path"]):
+            problems.append(
+                f"speculators_config.verifier.name_or_path is {spec['verifier']['name_or_path']!r}: vLLM resolves only a "
+                "Hugging Face id (org/name) or an existing path; write the target's id or path (verifier_name)")
     except (KeyError, IndexError, TypeError):
         problems.append("speculators_config lacks proposal_methods[0].speculative_tokens or verifier.name_or_path")
     layer = config.get("transformer_layer_config")
@@ -478,7 +561,8 @@ def _validate_speculators(
         return problems
     shapes = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v for k, v in shapes.items()}
     shapes["embed_tokens.weight"] = (flat["vocab_size"], flat["hidden_size"])
-    _check_weights(problems, checkpoint_dir / WEIGHTS_NAME, shapes)
+    shapes, options = _vocab_map_rules(flat, engine, shapes)
+    _check_weights(problems, checkpoint_dir / WEIGHTS_NAME, shapes, **options)
     return problems
 
 
