@@ -200,3 +200,18 @@ def test_samples_are_reproducible_per_row_whatever_the_batch(target, tmp_path):
     samples = [every[k] for k in every if k >= SAMPLE_ROW_STRIDE]
     assert len({tuple(s) for s in samples}) == 6  # each sample its own draw
     assert any(other[k] != every[k] for k in every if k >= SAMPLE_ROW_STRIDE)  # the seed changes them
+
+
+def test_settings_accept_a_list_of_sources_relative_to_the_settings_file(tmp_path):
+    from eagle3_assets.settings import SettingsError, load_settings
+
+    (tmp_path / "s.yaml").write_text(
+        "prompts_source: [embedded:sharegpt, {source: data/p.jsonl, max_prompts: 5, licence: MIT}]\n"
+        "generation: {turns: all, samples_per_prompt: 2}\n")
+    s = load_settings(tmp_path / "s.yaml")
+    assert s.prompts_source[0] == "embedded:sharegpt"
+    assert s.prompts_source[1] == PromptSource(str(tmp_path / "data" / "p.jsonl"), max_prompts=5, licence="MIT")
+    assert (s.generation.turns, s.generation.samples_per_prompt, s.decontaminate) == ("all", 2, True)
+    (tmp_path / "bad.yaml").write_text("prompts_source: [{source: a.jsonl, max_prompts: 5, weight: 0.5}]\n")
+    with pytest.raises(SettingsError, match="give max_prompts or weight, not both"):
+        load_settings(tmp_path / "bad.yaml")
