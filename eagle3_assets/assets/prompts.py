@@ -23,8 +23,9 @@ def data_version(settings: Settings, source_sha256: str | None = None) -> str:
     """The prompt sources' content and the settings that shape the table: equal versions, equal rows.
     `eagle3 run` compares it with the last materialization's to know whether a file changed."""
     sha = source_sha256 or sources_sha256(settings.prompts_source)
-    if settings.decontaminate:  # an edited evaluation file changes what is dropped
-        sha += ":" + ":".join(file_sha256(Path(p)) for p in settings.eval.prompt_sets if Path(p).is_file())
+    eval_files = [Path(p) for p in settings.eval.prompt_sets if Path(p).is_file()]
+    if settings.decontaminate and eval_files:  # an edited evaluation file changes what is dropped
+        sha += ":" + ":".join(file_sha256(p) for p in eval_files)
     return hashlib.sha256(f"{sha}:{settings.fingerprint(*SETTINGS_USED)}".encode()).hexdigest()[:16]
 
 
