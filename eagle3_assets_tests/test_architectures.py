@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3_assets.core.drafter import DrafterConfig, load_checkpoint
 from eagle3_assets.core.extract_engine import extract_samples
-from eagle3_assets.core.extract_job import run_extraction
+from eagle3_assets.core.extract_job import ExtractShards, run_extraction
 from eagle3_assets.core.lean_forward import lean_supported
 from eagle3_assets.core.sample_files import MANIFEST, read_sample, sample_file
 from eagle3_assets.core.train import TrainConfig, TrainJob, train_drafter
@@ -109,7 +109,7 @@ def test_packed_engine_files_equal_transformers(targets, family, tmp_path):
     m = run_extraction(extract_job(generations_path=str(gens), shard_dir=str(tmp_path / "shard"),
                                    model_dir=str(targets[family]), target_name=family, aux_layer_ids=LAYER_IDS,
                                    dtype="float32", device="cpu", batch_tokens=64, writer_threads=2), log=lambda m: None)
-    assert m["samples"] == 6
+    assert m["forward"] == "packed" and m["samples"] == 6
     assert_files_equal_transformers(targets[family], gens, tmp_path / "shard")
 
 
@@ -162,19 +162,40 @@ def test_drafter_shape_from_each_family_config():
     assert (qm.num_attention_heads, qm.num_key_value_heads, qm.head_dim, qm.intermediate_size) == (32, 4, 128, 6144)
 
 
+def test_several_shards_go_through_one_job_with_one_model_load(targets, tmp_path):
+    """Two shards of a DeepSeek-V3 target in one group: one load, each shard its own files and
+    metadata, and the load shared between them."""
+    from eagle3_assets.core.extract_job import extract_shards
+
+    jobs = []
+    for i in range(2):
+        write_generations(tmp_path / f"g{i}.parquet", n=4, seed=10 + i)
+        jobs.append(extract_job(generations_path=str(tmp_path / f"g{i}.parquet"), shard_dir=str(tmp_path / f"s{i}"),
+                                model_dir=str(targets["deepseek_v3"]), target_name="ds", aux_layer_ids=LAYER_IDS,
+                                dtype="float32", device="cpu"))
+    logs, results = [], []
+    extract_shards(ExtractShards(jobs), logs.append, lambda job, result: results.append(result))
+    assert sum("model loaded in" in line for line in logs) == 1
+    assert [r["shards_per_load"] for r in results] == [2, 2]
+    assert results[0]["model_load_s"] == pytest.approx(results[0]["model_load_total_s"] / 2)
+    for i in range(2):
+        assert (tmp_path / f"s{i}" / MANIFEST).is_file()
+        assert_files_equal_transformers(targets["deepseek_v3"], tmp_path / f"g{i}.parquet", tmp_path / f"s{i}")
+
+
 def test_qwen3_moe_tensor_parallel_over_two_gloo_ranks_equals_transformers(targets, tmp_path):
     """transformers' tensor-parallel plan for Qwen3-MoE (attention heads and experts split over the
     ranks) runs the padded-batch forward; sums are split across ranks, so the files equal the
     one-process transformers forward up to float32 reduction order."""
     gens = tmp_path / "g.parquet"
     write_generations(gens, n=6, seed=4)
-    params = extract_job(generations_path=str(gens), shard_dir=str(tmp_path / "tp"), model_dir=str(targets["qwen3_moe"]),
-                         target_name="moe", aux_layer_ids=LAYER_IDS, dtype="float32", device="cpu", batch_tokens=64,
-                         parallel="tensor")
+    params = ExtractShards([extract_job(generations_path=str(gens), shard_dir=str(tmp_path / "tp"),
+                                        model_dir=str(targets["qwen3_moe"]), target_name="moe", aux_layer_ids=LAYER_IDS,
+                                        dtype="float32", device="cpu", batch_tokens=64, parallel="tensor")])
     env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "eagle3_assets.jobs.extract_hidden_states"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert (tmp_path / "tp" / MANIFEST).is_file()
+    assert "(tensor parallel)" in p.stderr and (tmp_path / "tp" / MANIFEST).is_file()
     assert_files_equal_transformers(targets["qwen3_moe"], gens, tmp_path / "tp", rtol=1e-4, atol=1e-4)
