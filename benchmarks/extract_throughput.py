@@ -160,7 +160,7 @@ def flops_per_token(model, samples) -> tuple[float, float]:
     """(2 x active non-embedding params, causal attention FLOPs per token averaged over the samples)."""
     cfg = model.config
     embed = model.model.embed_tokens.weight.numel()
-    params = active_params(model) - embed
+    params = active_params(model.model) - embed  # the base model: the engine computes no logits
     layers = cfg.num_hidden_layers
     # the width of QK^T and of PV per layer: heads x head size (MLA: query/key and value head sizes differ)
     if getattr(cfg, "kv_lora_rank", None) is not None:
