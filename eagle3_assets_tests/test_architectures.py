@@ -160,6 +160,30 @@ def test_a_drafter_trains_on_the_files_of_an_moe_target_from_its_embeddings_and_
     assert drafter.config.hidden_size == cfg.hidden_size and drafter.config.aux_layer_ids == LAYER_IDS
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
+def test_varlen_attention_with_mla_value_heads_equals_one_sdpa_per_sample_on_cuda():
+    """MLA's value heads are narrower than its query/key heads: the one varlen call pads them."""
+    from eagle3_assets.core.lean_forward import Packing, _Varlen, packed_causal_attention
+
+    bounds, off = [], 0
+    for t in (7, 300, 1, 64):
+        bounds.append((off, off + t))
+        off += t
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(off, 16, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(off, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    packing = Packing.of(bounds, q.device)
+    fast = packed_causal_attention(q, k, v, packing, 192**-0.5)
+    assert _Varlen.ok, _Varlen.why
+    _Varlen.ok = False
+    try:
+        slow = packed_causal_attention(q, k, v, packing, 192**-0.5)
+    finally:
+        _Varlen.ok = True
+    assert fast.shape == (off, 16, 128)
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_drafter_shape_from_each_family_config():
     """Llama/Qwen targets lend the drafter their head shape; an MLA target (DeepSeek-V3, Kimi-K2) has
     none to lend: 128-wide heads over the hidden size, 8 key-value heads."""
