@@ -7,6 +7,16 @@ directly on the card, seeded samples of 256-4096 tokens, real files written to l
 
 `--tiny` runs the same steps on a tiny model (a CPU smoke test). Prints a table last.
 
+`--arch qwen3_moe` (the Qwen3-30B-A3B shape: 30.5B parameters, 48 layers, 128 experts, 8
+active) and `--arch deepseek_v3` (DeepSeek-V3's architecture, Kimi-K2's: MLA with a low-rank
+query, V3's grouped routing, a shared expert; a 2,048-wide, 27-layer, 96-expert shape: 23.0B
+parameters, 3.2B active) build a random-weight MoE of >= 20B parameters in bf16 on one H200, 48 samples
+of 256-2,048 tokens by default, and add the transformers base forward over right-padded
+batches (`--padded-batch` rows, writing nothing) and our engine's padded-batch fallback (what
+tensor parallelism runs) to the table, with tokens/s and bytes per token:
+
+    PYTHONPATH=. python benchmarks/extract_throughput.py --arch qwen3_moe --skip-durable --json $OUT/moe.json
+
 `--model DIR --generations FILE[,FILE...]` measures the engine on a real target and the rows of
 real `generations` shards instead (the model loaded as the extraction job loads it, one warm-up
 forward, then the engine with files written): the reference that `eagle3 run`'s per-shard
@@ -48,9 +58,55 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def build_model(tiny: bool, dev):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def moe_config(arch: str, tiny: bool):
+    """A random-weight MoE target: the Qwen3-30B-A3B shape, or DeepSeek-V3's architecture at a
+    size that fits one H200 in bf16 (>= 20B parameters either way); tiny ones for the CPU."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
 
+    if arch == "qwen3_moe":
+        if tiny:
+            return Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                  num_experts_per_tok=2, vocab_size=1000, max_position_embeddings=8192)
+        return Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, rms_norm_eps=1e-6,
+                              max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                              tie_word_embeddings=False)
+    if tiny:
+        return DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+                                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=1000,
+                                max_position_embeddings=8192)
+    return DeepseekV3Config(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                            num_attention_heads=16, num_key_value_heads=16, n_routed_experts=96, num_experts_per_tok=8,
+                            n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                            vocab_size=163840, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def build_model(tiny: bool, dev, arch: str = "llama"):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if arch != "llama":
+        cfg = moe_config(arch, tiny)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        with torch.device(dev):  # straight into bf16 on the card: a float32 detour would not fit
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        with torch.no_grad():  # random, never zeros: norms too (HF inits them to ones)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.8, 1.2)
+        sync(dev)
+        total = sum(p.numel() for p in model.parameters())
+        log(f"{arch} model built on {dev} in {time.perf_counter() - t0:.1f} s: {total / 1e9:.2f}B parameters, "
+            f"{active_params(model) / 1e9:.2f}B active per token; dtype {model.dtype}")
+        RESULTS.update(arch=arch, params=total, active_params=active_params(model))
+        return model
     if tiny:
         cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192)
@@ -89,14 +145,31 @@ def make_samples(n: int, lo: int, hi: int, vocab: int, seed: int):
     return out
 
 
+def active_params(model) -> float:
+    """Parameters a token passes through: every expert bank counted at top-k / experts."""
+    cfg = model.config
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+    total = 0.0
+    for name, p in model.named_parameters():
+        routed = experts and ".experts." in name and p.dim() == 3
+        total += p.numel() * (cfg.num_experts_per_tok / experts if routed else 1.0)
+    return total
+
+
 def flops_per_token(model, samples) -> tuple[float, float]:
-    """(2 x non-embedding params, causal attention FLOPs per token averaged over the samples)."""
-    base = model.model
-    params = sum(p.numel() for n, p in base.named_parameters() if not n.startswith("embed_tokens"))
-    h, layers = model.config.hidden_size, model.config.num_hidden_layers
+    """(2 x active non-embedding params, causal attention FLOPs per token averaged over the samples)."""
+    cfg = model.config
+    embed = model.model.embed_tokens.weight.numel()
+    params = active_params(model.model) - embed  # the base model: the engine computes no logits
+    layers = cfg.num_hidden_layers
+    # the width of QK^T and of PV per layer: heads x head size (MLA: query/key and value head sizes differ)
+    if getattr(cfg, "kv_lora_rank", None) is not None:
+        width = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+    else:
+        width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     tokens = sum(len(s[1]) for s in samples)
-    # QK^T and PV: 2 x 2 x ctx x H FLOPs per token per layer, ctx averaging (T+1)/2 over a causal sample
-    attn = sum(2 * h * layers * len(s[1]) * (len(s[1]) + 1) for s in samples) / tokens
+    # QK^T and PV: 2 x 2 x ctx x width FLOPs per token per layer, ctx averaging (T+1)/2 over a causal sample
+    attn = sum(2 * width * layers * len(s[1]) * (len(s[1]) + 1) for s in samples) / tokens
     return 2.0 * params, attn
 
 
@@ -178,6 +251,24 @@ def hf_base_no_save(base, samples, aux_ids, dev) -> float:
         cap.remove()
 
 
+def hf_padded_no_save(base, samples, aux_ids, dev, batch: int) -> float:
+    """transformers' base forward over right-padded batches of `batch` length-sorted samples, with
+    the hooks, writing nothing: what batching alone gives (the 22k tok/s reference of issue 15)."""
+    cap = LayerCapture(base, aux_ids)
+    order = sorted(samples, key=lambda s: -len(s[1]))
+    batches = [[s[1] for s in order[i : i + batch]] for i in range(0, len(order), batch)]
+    try:
+        forward_batch(base, cap, batches[0], dev)  # warm-up: the longest batch first
+        sync(dev)
+        t0 = time.perf_counter()
+        for b in batches:
+            aux, last = forward_batch(base, cap, b, dev)
+        sync(dev)
+        return time.perf_counter() - t0
+    finally:
+        cap.remove()
+
+
 def lean_no_save(base, samples, aux_ids, batch_tokens, dev) -> float:
     packs = plan_packs([len(s[1]) for s in samples], batch_tokens)
     for p in packs[:2]:  # warm-up: the largest packs come first
@@ -190,15 +281,16 @@ def lean_no_save(base, samples, aux_ids, batch_tokens, dev) -> float:
     return time.perf_counter() - t0
 
 
-def check_against_hf(model, samples, aux_ids, out: Path, dtype, batch_tokens) -> dict:
+def check_against_hf(model, samples, aux_ids, out: Path, dtype, batch_tokens, fp32: bool = True) -> dict:
     """Relative error (per sample, the worst) of the engine's bf16 files (short samples packed
-    together) and of HF's own bf16 `output_hidden_states`, both against HF run in float32."""
+    together) and of HF's own bf16 `output_hidden_states`, both against HF run in float32.
+    `fp32=False` (a model too big for a float32 copy on the card): the engine against HF bf16 only."""
     import copy
 
     pick = sorted(samples, key=lambda s: len(s[1]))[:3] + [max(samples, key=lambda s: len(s[1]))]
     extract_samples(model.model, pick, out, aux_layer_ids=aux_ids, dtype=dtype, batch_tokens=batch_tokens,
                     writer_threads=2, metadata={"check": "1"})
-    ref_model = copy.deepcopy(model.model).float()
+    ref_model = copy.deepcopy(model.model).float() if fp32 else model.model
 
     def hf(m, ids):
         with torch.inference_mode():
@@ -251,7 +343,12 @@ def load_test(model, d: Path, dev) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="tiny model and samples (CPU smoke test)")
-    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--arch", choices=["llama", "qwen3_moe", "deepseek_v3"], default="llama",
+                    help="the target: Llama-3.1-8B shape, or an MoE of >= 20B parameters (see the top of this file)")
+    ap.add_argument("--padded-batch", type=int, default=8, help="rows per right-padded batch of the padded-batch rows")
+    ap.add_argument("--samples", type=int, default=None, help="default 128 (llama), 48 (MoE)")
+    ap.add_argument("--min-tokens", type=int, default=None, help="default 256 (16 tiny)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 4096 (llama), 2048 (MoE); 256 tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="/tmp/extract_bench")
     ap.add_argument("--json", default=None)
@@ -282,13 +379,15 @@ def main() -> None:
     RESULTS["versions"]["transformers"] = transformers.__version__
     log(f"{RESULTS['date']}  device {RESULTS['device']}  torch {torch.__version__}  transformers {transformers.__version__}")
 
-    model = build_model(args.tiny, dev)
+    moe = args.arch != "llama"
+    model = build_model(args.tiny, dev, args.arch)
     base = model.model
     n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     aux_ids = [2, n_layers // 2, n_layers - 3]
     dtype = torch.bfloat16
-    lo, hi = (16, 256) if args.tiny else (256, 4096)
-    samples = make_samples(args.samples, lo, hi, model.config.vocab_size, args.seed)
+    lo = args.min_tokens or (16 if args.tiny else 256)
+    hi = args.max_tokens or (256 if args.tiny else 2048 if moe else 4096)
+    samples = make_samples(args.samples or (48 if moe else 128), lo, hi, model.config.vocab_size, args.seed)
     tokens = sum(len(s[1]) for s in samples)
     bpt = SampleLayout(hidden, dtype).bytes_per_token()
     RESULTS.update(samples=len(samples), tokens=tokens, mean_tokens=tokens / len(samples), bytes_per_token=bpt,
@@ -297,10 +396,12 @@ def main() -> None:
         f"{bpt:,} bytes/token, aux ids {aux_ids}, lean path: {lean_supported(base)}")
 
     # correctness on this device: engine files vs HF output_hidden_states, short samples packed together
-    err = check_against_hf(model, samples, aux_ids, reset_dir(out / "check"), dtype, args.batch_tokens)
+    err = check_against_hf(model, samples, aux_ids, reset_dir(out / "check"), dtype, args.batch_tokens,
+                           fp32=args.tiny or not moe)
     RESULTS["max_rel_err"] = err
     log("relative error, worst sample: engine bf16 files (packed) vs HF float32 {engine_vs_fp32:.2e}; "
-        "HF's own bf16 run vs HF float32 {hf_bf16_vs_fp32:.2e}; engine vs HF bf16 {engine_vs_hf_bf16:.2e}".format(**err))
+        "HF's own bf16 run vs HF float32 {hf_bf16_vs_fp32:.2e}; engine vs HF bf16 {engine_vs_hf_bf16:.2e}".format(**err)
+        + ("" if args.tiny or not moe else " (no float32 copy of this model fits: the first two are 0)"))
 
     # ceilings
     dense, attn = flops_per_token(model, samples)
@@ -323,6 +424,9 @@ def main() -> None:
     # no-saving references: what the forward alone can do
     t = hf_base_no_save(base, samples, aux_ids, dev)
     row("HF base model per sample + hooks, no saving", tokens / t, f"{t:.1f} s")
+    if moe:
+        t = hf_padded_no_save(base, samples, aux_ids, dev, args.padded_batch)
+        row(f"HF base model, right-padded batches of {args.padded_batch}, no saving", tokens / t, f"{t:.1f} s")
     t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
     row(f"engine forward only (lean, packed {args.batch_tokens}), no saving", tokens / t, f"{t:.1f} s")
     for bt in [int(x) for x in args.sweep.split(",") if x]:
@@ -345,9 +449,19 @@ def main() -> None:
     assert not list(d.glob(".*")), "temporaries left"
     assert all(validate_sample(sample_file(d, s[0]), s[1], SampleLayout(hidden, dtype)) for s in samples[:8])
     RESULTS.update(engine_bytes_on_disk=on_disk, engine_files=len(files))
-    row("OUR ENGINE: files written (closed + renamed)", tokens / t_files, f"{t_files:.1f} s, {on_disk / 1e9:.2f} GB")
+    row("OUR ENGINE: files written (closed + renamed)", tokens / t_files,
+        f"{t_files:.1f} s, {on_disk / 1e9:.2f} GB, {on_disk / tokens:,.0f} B/token on disk")
     row("our engine incl. os.sync() (data on disk)", tokens / t_synced, f"{t_synced:.1f} s")
     shutil.rmtree(d, ignore_errors=True)
+    if moe:  # the fallback tensor parallelism runs: transformers' forward over right-padded batches, files written
+        d = reset_dir(out / "engine_padded")
+        t0 = time.perf_counter()
+        extract_samples(base, samples, d, aux_layer_ids=aux_ids, dtype=dtype, batch_tokens=args.batch_tokens,
+                        writer_threads=args.writer_threads, metadata=meta, staging_buffers=args.staging_buffers, lean=False)
+        t = time.perf_counter() - t0
+        assert len(list(d.glob("*.safetensors"))) == len(samples)
+        row(f"our engine, padded-batch fallback ({args.batch_tokens} padded tokens), files written", tokens / t, f"{t:.1f} s")
+        shutil.rmtree(d, ignore_errors=True)
     if not args.skip_durable:  # each file fdatasync'd before its rename: the disk's pace, sustained
         d = reset_dir(out / "engine_fsync")
         t0 = time.perf_counter()
@@ -377,6 +491,11 @@ def main() -> None:
         log(f"| {name} | {v:,.0f} | {note} |")
     if "speedup_vs_peers" in RESULTS:
         log(f"engine / peers' way: {RESULTS['speedup_vs_peers']:.2f}x")
+    padded = RESULTS.get(f"HF base model, right-padded batches of {args.padded_batch}, no saving")
+    if padded:
+        RESULTS["speedup_vs_padded_no_save"] = (tokens / t_files) / padded["tokens_per_s"]
+        log(f"engine (files written) / padded-batch forward (nothing written): {RESULTS['speedup_vs_padded_no_save']:.2f}x "
+            f"(issue 15's goal: >= 4x the peers' way and >= 1x this)")
     if "load" in RESULTS:
         lt = RESULTS["load"]
         log(f"model load: cold {lt['load_cold_s']:.1f} s, warm {lt['load_warm_s']:.1f} s "

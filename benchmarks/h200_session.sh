@@ -7,7 +7,7 @@
 #   OUT=/some/dir WHEELS=/tmp/dc bash benchmarks/h200_session.sh [SETTINGS]
 #
 # SETTINGS defaults to benchmarks/h200_run.yaml. Step limits in seconds: RUN_S (eagle3 run),
-# EXTRACT_S, GENERATE_S and GENERATE_LONG_S.
+# EXTRACT_S, GENERATE_S, GENERATE_LONG_S and MOE_S (each MoE benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -49,4 +49,14 @@ timeout "${GENERATE_LONG_S:-120}" python3 benchmarks/generate_throughput.py --pr
   --hf-prompts 0 --json "$OUT/generate_2048.json" >> "$OUT/generate.log" 2>&1
 stamp "generate_throughput 2048 exit $?"
 grep -E "native:|transformers:|agreement|ceiling =|check" "$OUT/generate.log" | tail -20
+
+# 4. MoE targets (issue 15): a random Qwen3-30B-A3B shape and a DeepSeek-V3-architecture one, our
+#    engine against the peers' way and the padded-batch forward, in one run each (MOE_S each).
+for arch in qwen3_moe deepseek_v3; do
+  stamp "extract_throughput.py --arch $arch"
+  timeout "${MOE_S:-420}" python3 benchmarks/extract_throughput.py --arch "$arch" --skip-durable --batch-tokens 65536 \
+    --writer-threads 8 --out-dir /tmp/xbench_moe --json "$OUT/extract_$arch.json" > "$OUT/extract_$arch.log" 2>&1
+  stamp "extract_throughput $arch exit $?"
+  tail -16 "$OUT/extract_$arch.log"
+done
 stamp "done"

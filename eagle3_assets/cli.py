@@ -168,7 +168,8 @@ def cmd_history(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", "tokens_per_s", "bytes_on_disk", "tau")
+    cols = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", "tokens_per_s", "bytes_on_disk", "model_load_s",
+            "tau")
     table = [
         [r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
         + [_cell(r["metadata"].get(c)) for c in cols[4:]]
@@ -213,7 +214,7 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     now: generations, else the prompts table, else the prompt file; rates from `history_rows`."""
     from transformers import AutoConfig
 
-    from .assets.hidden_states import sample_layout
+    from .checks import sample_layout
     from .core import plan
     from .core.generate import template_ids
     from .core.layout import Layout

@@ -16,10 +16,12 @@ from .settings import Settings, load_settings, settings_path_from_env
 
 STAGES = (prompts, generations, hidden_states, vocab_map, drafter, drafter_eval)
 
-# The jobs `eagle3 run` launches (and the UI offers): the prompt table, one shard, the drafter chain.
+# The jobs `eagle3 run` launches (and the UI offers): the prompt table, one shard's answers, the
+# hidden states of one shard or a range of shards (one model load), the drafter chain.
 JOBS = {
     "prompts_job": ("prompts",),
-    "shard_job": ("generations", "hidden_states"),
+    "shard_job": ("generations",),
+    "extraction_job": ("hidden_states",),
     "drafter_job": ("vocab_map", "drafter", "drafter_eval"),
 }
 

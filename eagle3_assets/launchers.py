@@ -34,7 +34,7 @@ JOB_LABEL = "eagle3.dev/job"
 class GpuJob:
     name: str  # "extract-hidden-states", "train-drafter": the container's name and the job label
     module: str  # the Pipes entry point, run as `python -m module`
-    params: Any  # a config dataclass (ExtractJob, TrainJob), sent as JSON in $EAGLE3_JOB_PARAMS
+    params: Any  # a config dataclass (ExtractShards, TrainJob), sent as JSON in $EAGLE3_JOB_PARAMS
     nproc: int = 1  # processes, one per GPU; torchrun when > 1
     labels: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"eagle3.dev/shard": key}
 
@@ -167,6 +167,10 @@ def check_paths_are_shared(k8s: KubernetesSettings, params: dict) -> None:
     names (a `*_path`, `*_dir` or `*_dirs` parameter) must lie under one of the volume mounts."""
     mounts = [PurePosixPath(m["mountPath"]) for m in k8s.volume_mounts if "mountPath" in m]
     for key, value in params.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for nested in value:  # several shards' jobs (ExtractShards.jobs)
+                check_paths_are_shared(k8s, nested)
+            continue
         if not key.endswith(("_path", "_dir", "_dirs")) or value is None:
             continue
         for path in map(PurePosixPath, value if isinstance(value, list) else [value]):

@@ -8,10 +8,13 @@ is skipped, so a second `eagle3 run` on an unchanged project does no model work,
 killed at any moment continues where it stopped: complete shards and sample files are kept,
 training continues from its saved state.
 
-Steps run as the code location's jobs (`prompts_job`, `shard_job` per shard, `drafter_job`)
-with only the assets that need it selected, one Dagster run each, so every shard keeps its own
-run, metadata, checks and failure. After a step, what follows is judged again: a rerun whose
-output did not change (same code, same inputs) leaves its downstream fresh.
+Steps run as the code location's jobs (`prompts_job`, `shard_job`, `extraction_job`,
+`drafter_job`) with only the assets that need it selected: the prompts, then each shard's generations (a run each), then
+the hidden states of every shard that needs them in as few runs as possible — one run over each
+contiguous range of such shards, so the target model loads once per range, not once per shard
+(each shard still gets its own materialization, metadata, check and failure) — then the
+drafter chain. After a step, what follows is judged again: a rerun whose output did not change
+(same code, same inputs) leaves its downstream fresh.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from .assets import prompts as prompts_asset
 from .assets.generations import FORCE_TAG
@@ -108,6 +112,12 @@ class Planner:
             return "stale: " + "; ".join(sorted({_describe(c) for c in causes})) if causes else "stale"
         return None
 
+    def materialized_by(self, unit: Unit, run_id: str) -> bool:
+        """The unit's latest materialization is from that run (a run over several shards may fail
+        for some of them only)."""
+        latest = self._latest(AssetKey(unit.asset), unit.partition)
+        return latest is not None and latest.run_id == run_id
+
     def _latest(self, key: AssetKey, partition: str | None):
         flt = AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None)
         records = self.instance.fetch_materializations(flt, limit=1).records
@@ -120,6 +130,21 @@ class Planner:
             return False
         run = self.instance.get_run_by_id(planned.run_id)
         return run is None or run.status != DagsterRunStatus.SUCCESS
+
+
+def _ranges(keys: list[str], wanted) -> list[list[str]]:
+    """The `wanted` keys as maximal runs of consecutive `keys`."""
+    out: list[list[str]] = []
+    prev = None
+    for i, k in enumerate(keys):
+        if k not in wanted:
+            continue
+        if out and prev == i - 1:
+            out[-1].append(k)
+        else:
+            out.append([k])
+        prev = i
+    return out
 
 
 def _describe(cause) -> str:
@@ -157,9 +182,10 @@ def run_pipeline(
     select: list[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> bool:
-    """Materialize what needs it: prompts, then each shard (its own runs), then the vocab map,
-    drafter and its evaluation (with `extraction.teacher: topk` the vocab map comes between the
-    generations and the hidden states). A failed shard is named and the others still run; the
+    """Materialize what needs it: prompts, then each shard's generations (its own runs), the hidden
+    states of the shards that need them (one run, one model load, per contiguous range), then the
+    vocab map, drafter and its evaluation (with `extraction.teacher: topk` the vocab map comes
+    between the generations and the hidden states). A failed shard is named and the others still run; the
     drafter chain waits for every shard."""
     names = [a for assets in JOBS.values() for a in assets]
     selection = Selection.parse(select, names)
@@ -196,18 +222,44 @@ def run_pipeline(
         skipped.extend(str(u) for u in units if str(u) not in ran and str(u) not in skipped)
         return True
 
+    def extract(keys: list[str], ready: list[str]) -> list[str]:
+        """Hidden states of the `ready` shards that need them, one run per contiguous range of
+        `keys` (a run's range cannot skip a shard); returns the shards that failed."""
+        units = [Unit("hidden_states", k) for k in ready if selection.wants(Unit("hidden_states", k))]
+        todo = {u.partition: r for u in units if (r := planner.reason(u))}
+        skipped.extend(str(u) for u in units if u.partition not in todo)
+        failed = []
+        for group in _ranges(keys, todo):
+            for k in group:
+                log(f"-> hidden_states[{k}]: {todo[k]}")
+            planner.forced.update(Unit("hidden_states", k) for k in group)
+            one = len(group) == 1
+            result = defs.resolve_job_def("extraction_job").execute_in_process(
+                instance=instance,
+                partition_key=group[0] if one else None,
+                tags={**tags, **({} if one else {ASSET_PARTITION_RANGE_START_TAG: group[0],
+                                                 ASSET_PARTITION_RANGE_END_TAG: group[-1]})},
+                raise_on_error=False,
+                run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
+            )
+            ran.extend(f"hidden_states[{k}]" for k in group)
+            if not result.success:
+                bad = {e.partition for e in result.get_asset_check_evaluations() if not e.passed}
+                lost = [k for k in group if k in bad or not planner.materialized_by(Unit("hidden_states", k), result.run_id)]
+                log(f"!! hidden_states[{group[0]}{'..' + group[-1] if not one else ''}] failed for {lost} "
+                    f"(run {result.run_id}); its log is in the UI (`eagle3 ui`)")
+                failed += lost
+        return failed
+
     if not step("prompts_job", [Unit("prompts")]):
         return False
     keys = instance.get_dynamic_partitions(shards.name)
-    if settings.extraction.teacher == "topk":
-        # The files hold top-k over the draft vocabulary: every shard's generations, then the
-        # vocab map (built from all of them), then each shard's extraction.
-        failed = [k for k in keys if not step("shard_job", [Unit("generations", k)])]
-        if not failed and not step("drafter_job", [Unit("vocab_map")]):
-            return False
-        failed = failed or [k for k in keys if not step("shard_job", [Unit("hidden_states", k)])]
-    else:
-        failed = [k for k in keys if not step("shard_job", [Unit(a, k) for a in JOBS["shard_job"]])]
+    failed = [k for k in keys if not step("shard_job", [Unit("generations", k)])]
+    # The top-k teacher's files hold log-probabilities over the draft vocabulary: the vocab map
+    # (built from every shard's generations) comes before the extraction.
+    if settings.extraction.teacher == "topk" and not failed and not step("drafter_job", [Unit("vocab_map")]):
+        return False
+    failed += extract(keys, [k for k in keys if k not in failed])
     if failed:
         log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
         return False

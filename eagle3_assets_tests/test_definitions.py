@@ -23,7 +23,7 @@ def test_definitions_hold_the_six_assets_and_their_lineage():
     }
     for name in ("generations", "hidden_states"):
         assert graph.get(AssetKey(name)).partitions_def.name == "shards"
-    for job in ("prompts_job", "shard_job", "drafter_job"):
+    for job in ("prompts_job", "shard_job", "extraction_job", "drafter_job"):
         defs.resolve_job_def(job)
 
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from eagle3_assets import launchers
 from eagle3_assets.core.config import from_json
-from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob
+from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob, ExtractShards
 from eagle3_assets.core.train import TrainConfig, TrainJob
 from eagle3_assets.launcher_settings import KubernetesSettings, LauncherSettings
 from eagle3_assets.settings import Settings
@@ -162,6 +162,11 @@ def test_paths_off_the_shared_volume_are_refused():
     with pytest.raises(ValueError, match="shard_dirs /scratch/x"):
         job = train()
         k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, shard_dirs=["/scratch/x"])))
+    # Several shards through one model load: every shard's paths are checked.
+    job = extract()
+    off = dataclasses.replace(job.params, shard_dir="/scratch/eagle3/hidden_states/rows_02000-04000")
+    with pytest.raises(ValueError, match="shard_dir /scratch/eagle3/hidden_states/rows_02000-04000"):
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=ExtractShards([job.params, off])))
 
 
 def test_launcher_settings_are_strict():

@@ -163,6 +163,12 @@ def test_stale_assets_rerun_and_select_and_force_choose_what_runs(tiny_target, t
     project = make_project(tmp_path / "project", tiny_target, training={"max_steps": 3, "batch_tokens": 128,
                                                                           "warmup_steps": 1, "ttt_steps": 2})
     eagle3_run(project)
+    # The shards' hidden states were extracted in one run, with one model load shared by both.
+    with instance_of(project) as instance:
+        recs = [instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("hidden_states"),
+                                                                   asset_partitions=[s]), limit=1).records[0] for s in SHARDS]
+    assert recs[0].run_id == recs[1].run_id
+    assert [r.asset_materialization.metadata["shards_per_load"].value for r in recs] == [2, 2]
     # A setting read only by the evaluation: only drafter_eval is stale.
     settings = yaml.safe_load((project / "eagle3.yaml").read_text())
     settings["eval"]["num_draft_tokens"] = 3

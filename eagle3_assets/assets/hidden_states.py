@@ -1,17 +1,45 @@
 """`hidden_states[shard]`: the target's aux hidden states and its teacher signal, one file per sample.
 
 The work runs in its own process (torchrun for several), started by the `launcher` resource
-through Dagster Pipes; rank 0 streams progress to the run log and reports the shard's metadata.
+through Dagster Pipes; rank 0 streams progress to the run log and reports each shard.
+
+One run may carry several shards (a UI backfill, or `eagle3 run`, launches one run over a
+range of shards: `BackfillPolicy.single_run()`), and they share one model load: a big target
+loads once, not once per shard. Each shard stays its own partition: its own materialization
+and metadata, its own `shard_complete` check, and its own failure — a shard that fails leaves
+the others materialized, and the run fails naming it. A failed shard is retried once inside
+the run (`GPU_RETRY`'s count and delay; a step retry would redo and re-report every shard),
+resuming from its valid files. The job reports each shard as a Pipes custom message; a run
+where every shard succeeded returns one output with per-shard metadata, and one where some
+failed logs the others' materializations as events (with the data-version tags Dagster would
+have given them) before it fails.
+
 With `extraction.teacher: topk` the files hold top-k log-probabilities over the draft
 vocabulary, so the asset depends on `vocab_map` too (the lineage shows it).
 """
 
-from dagster import AssetExecutionContext, MaterializeResult, ResourceParam, asset
+import time
+from pathlib import Path
 
-from ..core.extract_job import ExtractJob, extract_layout
-from ..core.sample_files import SampleLayout
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckKey,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetKey,
+    AssetMaterialization,
+    AssetRecordsFilter,
+    BackfillPolicy,
+    MaterializeResult,
+    MetadataValue,
+    Output,
+    ResourceParam,
+    asset,
+)
+
+from ..checks import SHARD_CHECK, shard_complete
+from ..core.extract_job import ExtractJob, ExtractShards
 from ..core.target import resolve_target
-from ..core.vocab import load_vocab_map, vocab_map_fingerprint
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
@@ -21,6 +49,13 @@ from ..settings import Settings
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")
 SHARD_LABEL = "eagle3.dev/shard"
+KEY = AssetKey("hidden_states")
+# Each failed shard is retried inside the run (a step retry would redo and re-report them all).
+RETRY = GPU_RETRY
+
+
+class ShardsFailed(RuntimeError):
+    pass
 
 
 def code_version(settings: Settings) -> str:
@@ -32,46 +67,124 @@ def code_version(settings: Settings) -> str:
     return f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}{layout_part}"
 
 
-def sample_layout(settings: Settings, hidden_size: int) -> SampleLayout:
-    """The layout these settings write; with topk, over the vocab map on disk (when there is one)."""
-    paths = layout(settings)
-    draft_vocab = None
-    if settings.extraction.teacher == "topk" and paths.vocab_map.is_file():
-        draft_vocab = vocab_map_fingerprint(load_vocab_map(paths.vocab_map)[0])
-    return extract_layout(settings.extraction, hidden_size, draft_vocab)
-
-
 def build(settings: Settings):
     paths = layout(settings)
+    version = code_version(settings)
     topk = settings.extraction.teacher == "topk"
+    upstream = ["generations", "vocab_map"] if topk else ["generations"]
+    check_key = AssetCheckKey(KEY, SHARD_CHECK)
 
     @asset(
         name="hidden_states",
         group_name="features",
         kinds={"pytorch", "safetensors"},
-        deps=["generations", "vocab_map"] if topk else ["generations"],
+        deps=upstream,
         partitions_def=shards,
+        backfill_policy=BackfillPolicy.single_run(),
+        output_required=False,  # each shard is reported by its own events (below)
+        check_specs=[AssetCheckSpec(SHARD_CHECK, asset=KEY, partitions_def=shards, blocking=True,
+                                    description="Files = rows, manifest present, no temporaries, bytes as predicted, "
+                                                "spot-checked files finite.")],
         pool=GPU_POOL,
-        retry_policy=GPU_RETRY,
-        code_version=code_version(settings),
+        code_version=version,
         description="Per-sample safetensors (input_ids, loss_mask, aux_hidden_states, and last_hidden_state or the "
                     "top-k teacher; bf16 or fp8) + manifest.",
     )
-    def hidden_states(context: AssetExecutionContext, launcher: ResourceParam[Launcher]) -> MaterializeResult:
-        shard = context.partition_key
-        generations = paths.generations(shard)
-        if not generations.is_file():
-            raise FileNotFoundError(f"no generations for shard {shard} at {generations}; materialize generations[{shard}] first")
-        job = ExtractJob(
-            generations_path=str(generations),
-            shard_dir=str(paths.hidden_states(shard)),
-            model_dir=str(resolve_target(settings.target_model, settings.model_cache_dir)),
-            target_name=settings.target_model,
-            config=settings.extraction,
-            vocab_map_path=str(paths.vocab_map) if topk else None,
-        )
-        gpu_job = GpuJob("extract-hidden-states", "eagle3_assets.jobs.extract_hidden_states", job,
-                         nproc=settings.extraction.nproc, labels={SHARD_LABEL: shard})
-        return launcher.run(context, gpu_job).get_materialize_result()
+    def hidden_states(context: AssetExecutionContext, launcher: ResourceParam[Launcher]):
+        keys = context.partition_keys
+        results: dict[str, dict] = {}
+        for attempt in range(1 + RETRY.max_retries):
+            pending = [s for s in keys if "metadata" not in results.get(s, {}) and not results.get(s, {}).get("final")]
+            if not pending:
+                break
+            if attempt:
+                context.log.warning(f"retrying {len(pending)} failed shard(s) in {RETRY.delay} s: {pending}")
+                time.sleep(RETRY.delay)
+            results.update(extract(context, launcher, pending))
+
+        done, failed = {}, []
+        for shard in keys:
+            result = results.get(shard, {"error": "the extraction job ended without reporting this shard"})
+            if "error" in result:
+                context.log.error(f"shard {shard} failed: {result['error']}")
+                failed.append(f"{shard}: {result['error']}")
+            else:
+                m = result["metadata"]
+                done[shard] = {**m, "path": MetadataValue.path(m["path"]), "aux_layer_ids": MetadataValue.json(m["aux_layer_ids"])}
+        if failed:  # Dagster's output would mark every shard of the run materialized: report the good ones alone
+            for shard, metadata in done.items():
+                context.log_event(AssetMaterialization(asset_key=KEY, partition=shard, metadata=metadata,
+                                                       tags=_version_tags(context, shard, version, upstream)))
+        else:
+            for shard, metadata in done.items():
+                context.add_asset_metadata(metadata, partition_key=shard)
+            yield MaterializeResult()  # one materialization per shard, each with its own metadata
+        for shard in done:
+            passed, description, check_metadata = shard_complete(settings, shard)
+            context.log_event(AssetCheckEvaluation(asset_key=KEY, check_name=SHARD_CHECK, passed=passed, partition=shard,
+                                                   description=description, metadata=check_metadata, blocking=True))
+            if not passed:  # blocking: the run fails, so nothing downstream reads a damaged shard
+                failed.append(f"{shard}: check {SHARD_CHECK} failed: {description}")
+        yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(check_key))
+        if failed:
+            raise ShardsFailed(f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
+                               "failed ones, finished sample files are kept): " + " | ".join(failed))
+
+    def extract(context: AssetExecutionContext, launcher: Launcher, keys: list[str]) -> dict[str, dict]:
+        """One job over `keys`, one model load: each shard's message, `{"metadata"}` or `{"error"}`."""
+        results, jobs = {}, []
+        for shard in keys:
+            generations = paths.generations(shard)
+            if not generations.is_file():
+                results[shard] = {"error": f"no generations for shard {shard} at {generations}; "
+                                           f"materialize generations[{shard}] first", "final": True}  # no retry helps
+                continue
+            jobs.append(ExtractJob(
+                generations_path=str(generations),
+                shard_dir=str(paths.hidden_states(shard)),
+                model_dir=str(resolve_target(settings.target_model, settings.model_cache_dir)),
+                target_name=settings.target_model,
+                config=settings.extraction,
+                vocab_map_path=str(paths.vocab_map) if topk else None,
+            ))
+        if not jobs:
+            return results
+        names = [Path(j.shard_dir).name for j in jobs]
+        gpu_job = GpuJob("extract-hidden-states", "eagle3_assets.jobs.extract_hidden_states", ExtractShards(jobs),
+                         nproc=settings.extraction.nproc,
+                         labels={SHARD_LABEL: names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"})
+        try:
+            messages = launcher.run(context, gpu_job).get_custom_messages()
+        except Exception as e:  # the job died (killed, preempted, out of memory): every shard it had not reported
+            context.log.error(f"the extraction job failed: {e}")
+            messages = []
+            lost = f"the extraction job failed before this shard was done: {type(e).__name__}: {e}"
+            results.update({Path(j.shard_dir).name: {"error": lost} for j in jobs})
+        for message in messages:
+            results[message["shard"]] = message
+        return results
 
     return hidden_states
+
+
+def _version_tags(context: AssetExecutionContext, shard: str, code_version: str, upstream: list[str]) -> dict[str, str]:
+    """The data-version tags Dagster gives an asset's own output, per shard: the code version,
+    the version of each input it read (generations[shard], and the vocab map for the top-k
+    teacher) and the logical version of them all."""
+    from dagster._core.definitions.data_version import (
+        CODE_VERSION_TAG, DATA_VERSION_TAG, DEFAULT_DATA_VERSION, DataVersion, compute_logical_data_version,
+        get_input_data_version_tag, get_input_event_pointer_tag,
+    )
+
+    tags, versions = {CODE_VERSION_TAG: code_version}, {}
+    for name in upstream:
+        key = AssetKey(name)
+        partitions = [shard] if name == "generations" else None  # the vocab map is not partitioned
+        records = context.instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=key, asset_partitions=partitions), limit=1).records
+        recorded = (records[0].asset_materialization.tags or {}).get(DATA_VERSION_TAG) if records else None
+        versions[key] = DataVersion(recorded) if recorded else DEFAULT_DATA_VERSION
+        tags[get_input_data_version_tag(key)] = versions[key].value
+        tags[get_input_event_pointer_tag(key)] = str(records[0].storage_id) if records else "NULL"
+    tags[DATA_VERSION_TAG] = compute_logical_data_version(code_version, versions).value
+    return tags

@@ -60,14 +60,31 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DrafterConfig":
-        """Copy the target's (a transformers LlamaConfig-like object) layer shape."""
+        """The drafter's shape from the target's transformers config: the target's hidden size,
+        vocabulary, RMSNorm epsilon, RoPE base and context length, and its attention shape.
+
+        The drafter is always one Llama layer. A Llama/Qwen target (dense or MoE) gives its own
+        heads, key-value heads and head size. A target with multi-head latent attention
+        (DeepSeek-V3, Kimi-K2: `kv_lora_rank` in the config) has no plain head shape to copy, so
+        the drafter takes 128-wide heads over the hidden size (DeepSeek-V3's 7,168: 56 heads) and
+        gcd(heads, 8) key-value heads (8), as the published DeepSeek-V3 EAGLE-3 drafter does.
+        The MLP width is the target's dense `intermediate_size` (an MoE target's dense-layer size,
+        e.g. 18,432 for DeepSeek-V3, 6,144 for Qwen3-30B-A3B). The drafter's RoPE is the plain one
+        at the target's `rope_theta`: a long-context scaling (YaRN, Llama-3) is not copied, as the
+        drafter is trained and served at the lengths of its training data."""
         rope_parameters = getattr(target_config, "rope_parameters", None) or {}
         rope_theta = rope_parameters.get("rope_theta", getattr(target_config, "rope_theta", None))
         if rope_theta is None:
             raise ValueError("target config has neither rope_parameters['rope_theta'] nor rope_theta")
-        head_dim = getattr(target_config, "head_dim", None) or (
-            target_config.hidden_size // target_config.num_attention_heads
-        )
+        hidden = target_config.hidden_size
+        if getattr(target_config, "kv_lora_rank", None) is not None:  # multi-head latent attention
+            head_dim = 128 if hidden % 128 == 0 else hidden // target_config.num_attention_heads
+            heads = hidden // head_dim
+            kv_heads = math.gcd(heads, 8)
+        else:
+            heads = target_config.num_attention_heads
+            head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+            kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
         num_layers = target_config.num_hidden_layers
         bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
         if len(aux_layer_ids) != 3 or bad:
@@ -76,18 +93,17 @@ class DrafterConfig:
                 f"(default [2, {num_layers // 2}, {num_layers - 3}]); got {aux_layer_ids}"
             )
         return cls(
-            hidden_size=target_config.hidden_size,
+            hidden_size=hidden,
             intermediate_size=target_config.intermediate_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
-            or target_config.num_attention_heads,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=float(rope_theta),
             max_position_embeddings=target_config.max_position_embeddings,
             vocab_size=target_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            target_hidden_size=target_config.hidden_size,
+            target_hidden_size=hidden,
             aux_layer_ids=list(aux_layer_ids),
             hidden_act=getattr(target_config, "hidden_act", "silu"),
         )

@@ -3,11 +3,12 @@
 The engine runs the base model only (no LM head, no logits). Where `lean_supported`
 says so, it runs the lean packed forward of `lean_forward.py`: length-sorted samples
 are packed end to end into sequences of about `batch_tokens` tokens with no padding.
-Other models fall back to the Hugging Face forward, one sample at a time, with forward
-hooks. The outputs go to pinned host buffers on a side CUDA stream and a pool of writer
-threads serializes the safetensors files straight from those buffers (no extra copy, and
-the GIL is released during the writes), so the forward never waits on disk; a fixed
-number of staging buffers bounds the memory (backpressure when the disk is slower).
+Other models (and tensor-parallel ones) fall back to the Hugging Face forward with forward
+hooks, over right-padded batches of length-sorted samples (at most `batch_tokens` tokens
+with the padding). The outputs go to pinned host buffers on a side CUDA stream and a pool
+of writer threads serializes the safetensors files straight from those buffers (no extra
+copy, and the GIL is released during the writes), so the forward never waits on disk; a
+fixed number of staging buffers bounds the memory (backpressure when the disk is slower).
 
 What is staged is what the file layout stores (`sample_files.encode_features`), computed on
 the device before the copy: fp8 hidden states with their scales (half the bytes over the
@@ -69,7 +70,8 @@ def forward_batch(base_model, capture: LayerCapture, batch: list[list[int]], dev
     """Run right-padded samples; returns (aux [B, T, 3H], last [B, T, H]) on the device.
 
     Right padding leaves every real position's causal context untouched; the
-    attention mask keeps the padded keys out of the softmax.
+    attention mask keeps the padded keys out of the softmax. Everything else is token-wise
+    (MoE routing included), so a padded row changes no real one.
     """
     width = max(len(ids) for ids in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -142,7 +144,7 @@ def extract_samples(
     `staging_buffers` host buffers of that size bound the memory: when the writers
     fall behind, the forward waits for a free buffer. `lean=None` uses the lean
     forward where the model supports it (`lean_supported`), False forces the
-    Hugging Face forward (one sample at a time, hooks). `fsync=True` makes each file
+    Hugging Face forward (right-padded batches, hooks). `fsync=True` makes each file
     durable before its rename (the writers then wait on the disk, the forward does not
     until the staging buffers are all taken). `write=False` runs the same forwards and
     writes nothing: the other ranks of a tensor-parallel group, whose collectives must
@@ -161,7 +163,7 @@ def extract_samples(
         packs = plan_packs(lengths, batch_tokens)
         capture = None
     else:
-        packs = [[i] for i in sorted(range(len(samples)), key=lambda i: lengths[i], reverse=True)]
+        packs = plan_padded_batches(lengths, batch_tokens)
         capture = LayerCapture(base_model, aux_layer_ids)
     capacity = max(sum(lengths[i] for i in p) for p in packs)
     staging = _Staging(max(1, staging_buffers), capacity, device)
@@ -180,8 +182,8 @@ def extract_samples(
                 if use_lean:
                     aux_dev, last_dev = lean_forward(base_model, [s[1] for s in items], aux_layer_ids, dtype)
                 else:
-                    aux_b, last_b = forward_batch(base_model, capture, [items[0][1]], device)
-                    aux_dev, last_dev = aux_b[0].to(dtype), last_b[0].to(dtype)
+                    aux_b, last_b = forward_batch(base_model, capture, [s[1] for s in items], device)
+                    aux_dev, last_dev = _unpad(aux_b, items, dtype), _unpad(last_b, items, dtype)
                 if not write:
                     staging.release(slot)
                     continue
@@ -243,6 +245,27 @@ def plan_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
     if cur:
         packs.append(cur)
     return packs
+
+
+def plan_padded_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Sample indices, longest first, in right-padded batches of at most `batch_tokens` tokens
+    counting the padding (rows x the first, longest row; a longer sample is a batch of its own).
+    Sorted by length, a batch's rows differ little, so little of it is padding."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _unpad(x: torch.Tensor, items, dtype: torch.dtype) -> torch.Tensor:
+    """A right-padded batch [B, T, D] as the rows of its samples end to end [N, D] (a pack)."""
+    if len(items) == 1:
+        return x[0, : len(items[0][1])].to(dtype)
+    return torch.cat([x[b, : len(s[1])] for b, s in enumerate(items)]).to(dtype)
 
 
 def _write_staged(path, ids, mask, features, metadata, ready, countdown, fsync=False) -> None:

@@ -1,25 +1,33 @@
-"""One shard's extraction job, as run by each process (rank) of a launch.
+"""The extraction job of one or several shards, as run by each process (rank) of a launch.
 
 Plain Python: the Pipes entry point (`eagle3_assets.jobs.extract_hidden_states`) passes it
-the job and a logger, and reports what it returns. Under `torchrun` every rank loads the
-model and extracts its share of the shard's rows (data parallel), or all ranks run one
-model sharded over them (tensor parallel, rank 0 writes); rank 0 writes the manifest last
-and measures the shard.
+the shards and a logger, and reports what it returns for each. Under `torchrun` every rank
+loads the model and extracts its share of each shard's rows (data parallel), or all ranks
+run one model sharded over them (tensor parallel, rank 0 writes); rank 0 writes each
+manifest last and measures the shard.
+
+Several shards go through one model load (a multi-partition run: a big target loads once,
+not once per shard), and each stays its own unit: its own lock, files, manifest, metadata,
+and failure (a shard that fails is reported failed, the others carry on).
 
 The job's phases are timed apart, so the throughput figure is the extraction's own:
 `cuda_init_s` (the device context), `model_load_s` (weights onto the device), `warmup_s`
 (one short forward: kernels and libraries loaded, staging buffers pinned), `extract_s`.
+A shard's metadata holds its share of the first three (divided over the shards that needed
+the model), so the shares of a run add up to one load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import os
 import socket
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
@@ -28,10 +36,10 @@ import polars as pl
 import torch
 from transformers import AutoConfig
 
-from .config import STRICT, PositiveFloat, PositiveInt, require
+from .config import STRICT, PositiveFloat, PositiveInt, from_dict, require
 from .distributed import setup
 from .extract_engine import TopkTeacher, extract_samples, warm_up
-from .lean_forward import attention_path
+from .lean_forward import attention_path, lean_supported
 from .files import bytes_on_disk
 from .sample_files import (
     DEFAULT_TOPK,
@@ -62,6 +70,7 @@ class ExtractConfig:
     nproc: PositiveInt = 1  # > 1 launches torchrun
     parallel: Literal["data", "tensor"] = "data"
     progress_every_s: PositiveFloat = 5.0
+
     # How the hidden states are stored (README, "Storage layouts"): bf16 = in `dtype` (bfloat16
     # unless set otherwise); fp8 = float8 e4m3 with a float32 scale per token and layer,
     # quantized on the device: about half the bytes.
@@ -186,44 +195,156 @@ class DiskProgress:
         )
 
 
+@dataclass(frozen=True)
+class ExtractShards:
+    """Several shards of one target through one model load (a multi-partition run): each shard
+    keeps its own files, lock, manifest, metadata and failure; they share the model, its
+    config and the extraction config."""
+
+    jobs: list[ExtractJob]
+
+    def __post_init__(self):
+        require(len(self.jobs) > 0, "ExtractShards needs at least one shard")
+        first = self.jobs[0]
+        same = (first.model_dir, first.target_name, first.config, first.vocab_map_path)
+        require(all((j.model_dir, j.target_name, j.config, j.vocab_map_path) == same for j in self.jobs),
+                "the shards of one extraction must share the target model, the extraction config and the vocab map")
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExtractShards":
+        """From `{"jobs": [...]}`, or one `ExtractJob`'s JSON (a single shard)."""
+        data = json.loads(text)
+        return cls([from_dict(ExtractJob, j) for j in data["jobs"]] if "jobs" in data else [from_dict(ExtractJob, data)])
+
+
 def run_extraction(job: ExtractJob, log: Callable[[str], None] = print) -> dict | None:
-    """Extract one shard; returns its metadata on rank 0 (None on other ranks)."""
-    if int(os.environ.get("RANK", 0)) != 0:
-        return _run_extraction(job, log)
-    with shard_lock(Path(job.shard_dir)):
-        return _run_extraction(job, log)
+    """Extract one shard; returns its metadata on rank 0 (None on other ranks), raises its error."""
+    results: list = []
+    extract_shards(ExtractShards([job]), log, lambda job, result: results.append(result))
+    if results and isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0] if results else None
 
 
-def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
-    cfg = job.config
+def extract_shards(group: ExtractShards, log: Callable[[str], None], report: Callable[[ExtractJob, object], None]) -> None:
+    """Extract every shard of `group` with at most one model load. On rank 0, `report(job, result)`
+    is called once per shard, as it finishes, with its metadata or the exception that failed it;
+    a failed shard does not stop the others. What fails them all (the target cannot be read or
+    loaded) raises."""
+    target = _Target(group.jobs[0], log)
+    dist = target.dist
+    # Plan every shard first (rank 0: which files are missing or invalid; each shard stays locked
+    # until the job ends), so the model is loaded only if some shard has work, and each shard's
+    # share of the load is known.
+    plans: list[_Plan | BaseException] = []
+    with ExitStack() as locks:
+        for job in group.jobs:
+            plan = _attempt(_plan, job, target, locks, log) if dist.main else None
+            shared = dist.broadcast(dataclasses.replace(plan, gens=None) if isinstance(plan, _Plan) and dist.world > 1 else plan)
+            plans.append(plan if dist.main else shared)
+        working = [p for p in plans if isinstance(p, _Plan) and p.todo]
+        if working:
+            target.load(shards=len(working))
+        for job, plan in zip(group.jobs, plans):
+            result = plan if isinstance(plan, BaseException) else _attempt(_extract, job, plan, target, log)
+            if dist.main:
+                report(job, result)
+
+
+def _attempt(fn, *args, **kwargs):
+    """fn(...), or the exception it raised: one shard's failure is that shard's result."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (reported for the shard, with its type and message)
+        return e
+
+
+class _Target:
+    """The target of a group of shards: its config and aux layer ids at once, the model (and the
+    device's context) loaded at most once, timed, with each shard's share of the set-up."""
+
+    def __init__(self, job: ExtractJob, log: Callable[[str], None]):
+        self.config, self.log = job.config, log
+        t0 = time.perf_counter()
+        self.dist = setup(self.config.device)
+        if self.dist.device.type == "cuda":
+            torch.cuda.init()
+            torch.empty(1, device=self.dist.device)  # the context exists now: the model load does not pay for it
+        self.cuda_init_s = time.perf_counter() - t0
+        self.dtype = DTYPES[self.config.dtype]
+        self.tensor = self.config.parallel == "tensor" and self.dist.world > 1
+        self.model_dir = resolve_target(job.model_dir)  # a clear error for a missing or incomplete model folder
+        target_config = AutoConfig.from_pretrained(self.model_dir)
+        self.aux_ids = check_aux_layer_ids(self.config.aux_layer_ids, target_config.num_hidden_layers)
+        self.hidden = target_config.hidden_size
+        self.vocab = load_draft_vocab(self.config, job.vocab_map_path)
+        self.layout = extract_layout(self.config, self.hidden, self.vocab[2] if self.vocab else None)
+        self.writes = self.dist.main or not self.tensor  # tensor parallel: rank 0 writes
+        self.teacher = None
+        # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
+        self.lean = False if self.tensor else None
+        self.model, self.model_load_s, self.warmup_s, self.shards = None, 0.0, 0.0, 0
+
+    def load(self, shards: int) -> None:
+        t1 = time.perf_counter()
+        self.model = load_model(self.model_dir, self.dtype, str(self.dist.device), base_only=True, tensor_parallel=self.tensor)
+        if self.vocab and self.writes:  # the base model has no lm_head: read it alone from the checkpoint
+            from .train import load_target_head
+
+            self.teacher = TopkTeacher(load_target_head(self.model_dir)[1], self.vocab[0], self.vocab[1],
+                                       self.config.topk, self.dist.device, self.dtype)
+        self.model_load_s = time.perf_counter() - t1
+        warm_up(self.model, self.aux_ids, self.dtype, self.lean, layout=self.layout if self.writes else None,
+                teacher=self.teacher)
+        self.warmup_s = time.perf_counter() - t1 - self.model_load_s
+        self.shards = shards
+        if self.lean is None:
+            self.lean = lean_supported(self.model)
+        if self.dist.main:
+            forward = (f"packed forward, attention {attention_path(self.dist.device, self.dtype)}" if self.lean else
+                       "transformers forward over right-padded batches" + (
+                           " (tensor parallel)" if self.tensor else f" ({type(self.model).__name__} has no packed forward)"))
+            self.log(f"device ready in {self.cuda_init_s:.1f} s, model loaded in {self.model_load_s:.1f} s, warmed up in "
+                     f"{self.warmup_s:.1f} s, for {shards} shard(s); {forward}")
+
+    def share(self) -> dict:
+        """One shard's share of the set-up: the device, the load and the warm-up divided over the
+        shards that needed the model (so a 4-shard run's shares add up to one load)."""
+        n = max(self.shards, 1)
+        return {"cuda_init_s": self.cuda_init_s / n, "model_load_s": self.model_load_s / n, "warmup_s": self.warmup_s / n,
+                "model_load_total_s": self.model_load_s, "shards_per_load": self.shards}
+
+
+@dataclass
+class _Plan:
+    gens: pl.DataFrame | None  # the shard's generations, on rank 0 only
+    todo: list
+    resumed: int
+    planned_s: float
+
+
+def _plan(job: ExtractJob, target: _Target, locks: ExitStack, log) -> _Plan:
+    """Rank 0: lock the shard, drop its manifest, and list the samples to (re)extract."""
     t0 = time.perf_counter()
-    dist = setup(cfg.device)
-    if dist.device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=dist.device)  # the context exists now: the model load does not pay for it
-    cuda_init_s = time.perf_counter() - t0
-    shard_dir, dtype = Path(job.shard_dir), DTYPES[cfg.dtype]
-
+    shard_dir, layout = Path(job.shard_dir), target.layout
+    locks.enter_context(shard_lock(shard_dir))
     gens = pl.read_parquet(job.generations_path).select("row_id", "input_ids", "loss_mask")
-    tensor = cfg.parallel == "tensor" and dist.world > 1
-    model_dir = resolve_target(job.model_dir)  # a clear error for a missing or incomplete model folder
-    target_config = AutoConfig.from_pretrained(model_dir)
-    aux_ids = check_aux_layer_ids(cfg.aux_layer_ids, target_config.num_hidden_layers)
-    hidden = target_config.hidden_size
-    vocab = load_draft_vocab(cfg, job.vocab_map_path)
-    layout = extract_layout(cfg, hidden, vocab[2] if vocab else None)
+    (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
+    todo, resumed = plan_shard(gens, shard_dir, layout)
+    check_free_space(shard_dir, layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
+    log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files "
+        f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)")
+    return _Plan(gens, todo, resumed, time.perf_counter() - t0)
 
-    if dist.main:
-        (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
-    dist.barrier()
-    todo, resumed = dist.broadcast(plan_shard(gens, shard_dir, layout) if dist.main else None)
-    if dist.main:
-        check_free_space(shard_dir, layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
-        log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files "
-            f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)")
+
+def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str], None]) -> dict | None:
+    """One planned shard on every rank; its metadata on rank 0."""
+    cfg, dist, dtype, hidden, aux_ids = job.config, target.dist, target.dtype, target.hidden, target.aux_ids
+    shard_dir, todo, resumed = Path(job.shard_dir), plan.todo, plan.resumed
     # Data parallel: interleave the length-sorted list so every rank gets long and short samples.
     # Tensor parallel: every rank runs every sample (the collectives must match); rank 0 writes.
-    mine = todo if tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[dist.rank :: dist.world]
+    mine = todo if target.tensor else sorted(todo, key=lambda s: len(s[1]), reverse=True)[dist.rank :: dist.world]
+    layout = target.layout
     meta = {
         **layout.metadata(),  # format_version, and the layout where it is not bf16/last_hidden
         "target_model": job.target_name,
@@ -231,33 +352,19 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         "dtype": cfg.dtype,
         "hidden_size": str(hidden),
     }
-    # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
-    lean = False if tensor else None
-    writes = dist.main or not tensor
-    model, teacher, model_load_s, warmup_s = None, None, 0.0, 0.0
-    if todo:  # every file is there and valid: no model to load
-        t1 = time.perf_counter()
-        model = load_model(model_dir, dtype, str(dist.device), base_only=True, tensor_parallel=tensor)
-        if vocab and writes:  # the base model has no lm_head: read it alone from the checkpoint
-            from .train import load_target_head
-
-            teacher = TopkTeacher(load_target_head(model_dir)[1], vocab[0], vocab[1], cfg.topk, dist.device, dtype)
-        model_load_s = time.perf_counter() - t1
-        warm_up(model, aux_ids, dtype, lean, layout=layout if writes else None, teacher=teacher)
-        warmup_s = time.perf_counter() - t1 - model_load_s
-        if dist.main:
-            log(f"device ready in {cuda_init_s:.1f} s, model loaded in {model_load_s:.1f} s, warmed up in {warmup_s:.1f} s; "
-                f"attention: {attention_path(dist.device, dtype) if lean is not False else 'transformers forward'}")
-
     stop, reporter, progress = threading.Event(), None, None
     if dist.main:
+        gens = plan.gens
         progress = DiskProgress(shard_dir, dict(zip(gens["row_id"].to_list(), gens["input_ids"].list.len().to_list())))
         reporter = threading.Thread(target=_report_every, args=(progress, cfg.progress_every_s, stop, log), daemon=True)
         reporter.start()
     t3 = time.perf_counter()
     try:
-        extract_samples(
-            model,
+        # Every rank gets here and to the gather below, failed or not, so the ranks stay in step
+        # and a failure of this shard on any rank fails this shard only.
+        failed = _attempt(
+            extract_samples,
+            target.model,
             mine,
             shard_dir,
             aux_layer_ids=aux_ids,
@@ -265,11 +372,11 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
             batch_tokens=cfg.batch_tokens,
             writer_threads=cfg.writer_threads,
             metadata=meta,
-            lean=lean,
-            write=writes,
+            lean=target.lean,
+            write=target.writes,
             layout=layout,
-            teacher=teacher,
-        )
+            teacher=target.teacher,
+        ) if mine else None
         if dist.device.type == "cuda":
             torch.cuda.synchronize()
         extract_s = time.perf_counter() - t3
@@ -277,17 +384,23 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         stop.set()
         if reporter:
             reporter.join()
-    ranks = dist.gather({"tokens": sum(len(s[1]) for s in mine), "extract_s": extract_s, "model_load_s": model_load_s,
-                         "warmup_s": warmup_s, "cuda_init_s": cuda_init_s})
+    ranks = dist.gather({"tokens": sum(len(s[1]) for s in mine), "extract_s": extract_s,
+                         "error": f"{type(failed).__name__}: {failed}" if failed is not None else None})
+    if failed is not None:
+        raise failed
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if r["error"]]
+    if errors:
+        raise RuntimeError(f"shard {shard_dir.name} failed on " + "; ".join(errors))
     if not dist.main:
         return None
     log(progress.line())
+    gens = plan.gens
     missing = [r for r in gens["row_id"] if not sample_file(shard_dir, r).exists()]
     if missing:
         raise RuntimeError(f"shard {shard_dir.name}: {len(missing)} sample files missing after extraction, e.g. {missing[:5]}")
     manifest_df = write_manifest(shard_dir, gens["row_id"].to_list())
     extract_s = max(r["extract_s"] for r in ranks)
-    new_tokens = ranks[0]["tokens"] if tensor else sum(r["tokens"] for r in ranks)
+    new_tokens = ranks[0]["tokens"] if target.tensor else sum(r["tokens"] for r in ranks)
     samples = len(manifest_df)
     tokens = int(manifest_df["tokens"].sum())
     metadata = {
@@ -307,20 +420,26 @@ def _run_extraction(job: ExtractJob, log: Callable[[str], None]) -> dict | None:
         "parallel": cfg.parallel if dist.world > 1 else "none",
         "device": str(dist.device.type),
         "hidden_size": hidden,
-        "job_s": time.perf_counter() - t0,
+        "forward": "packed" if target.lean else "padded_batches",
     }
     if cfg.teacher == "topk":
         metadata.update(topk=cfg.topk, topk_mass=topk_mass(shard_dir, gens["row_id"].to_list()))
+    share = target.share() if new_tokens else {}
+    set_up_s = sum(share.get(k, 0.0) for k in ("cuda_init_s", "model_load_s", "warmup_s"))
+    metadata["job_s"] = plan.planned_s + time.perf_counter() - t3 + set_up_s  # this shard's time, with its share
     if new_tokens:  # rates only for work done: a shard resumed whole has none to plot
         metadata.update({
             "tokens_per_s": new_tokens / extract_s,
             "samples_per_s": (samples - resumed) / extract_s,
-            "cuda_init_s": max(r["cuda_init_s"] for r in ranks),
-            "model_load_s": max(r["model_load_s"] for r in ranks),
-            "warmup_s": max(r["warmup_s"] for r in ranks),
+            **share,
             "extract_s": extract_s,
         })
     return metadata
+
+
+def _report_every(progress: DiskProgress, every: float, stop: threading.Event, log) -> None:
+    while not stop.wait(every):
+        log(progress.line())
 
 
 def topk_mass(shard_dir: Path, row_ids: list[int], files: int = 64) -> float:
@@ -333,8 +452,3 @@ def topk_mass(shard_dir: Path, row_ids: list[int], files: int = 64) -> float:
         with safe_open(str(sample_file(shard_dir, r)), framework="pt") as f:  # that tensor only, not the file
             kept.append(f.get_tensor("topk_logprobs").float().exp().sum(-1))
     return round(float(torch.cat(kept).mean()), 6) if kept else 0.0
-
-
-def _report_every(progress: DiskProgress, every: float, stop: threading.Event, log) -> None:
-    while not stop.wait(every):
-        log(progress.line())

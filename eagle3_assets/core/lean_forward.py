@@ -1,9 +1,18 @@
 """The lean forward: a target's base model over samples packed end to end, by hand.
 
-Token-wise ops (norms, projections, MLP) see the whole pack as one matrix; attention
-runs per sample (causal, positions restart at 0), so each sample's rows equal an
-unbatched run, with no padding anywhere. It reads the model's own weights, so it
-needs the plain Hugging Face modules on one device (`lean_supported`).
+Token-wise ops (norms, projections, MLP, MoE routing and experts) see the whole pack as one
+matrix; attention runs per sample (causal, positions restart at 0), so each sample's rows
+equal an unbatched run, with no padding anywhere. It reads the model's own weights and calls
+the model's own MoE blocks, so it needs the plain Hugging Face modules on one device
+(`lean_supported`). Families:
+
+- Llama, Qwen2 (biases on q/k/v), Qwen3 (an RMSNorm over each head of q and k before RoPE):
+  grouped-query attention;
+- Qwen3-MoE: Qwen3's attention, and the model's own sparse MoE block (router + experts) on
+  the pack's [N, H] rows: routing is per token, so packing changes nothing;
+- DeepSeek-V3 (and Kimi-K2, its architecture): multi-head latent attention, decompressed per
+  token into full heads (a value head narrower than the query/key head), the model's own MoE
+  block with its shared experts.
 """
 
 from __future__ import annotations
@@ -13,14 +22,47 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+
+@dataclass(frozen=True)
+class Family:
+    """The transformers classes of one architecture that the lean forward knows how to read."""
+
+    model: type
+    layer: type
+    norm: type
+    mlp: type  # the dense gated MLP (gate/up/down), computed by hand
+    moe: type | None  # the sparse MoE block, called as it is
+    attention: str  # "gqa" or "mla"
+
+
+def families() -> list[Family]:
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qmoe
+
+    return [
+        Family(llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaRMSNorm, llama.LlamaMLP, None, "gqa"),
+        Family(qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2RMSNorm, qwen2.Qwen2MLP, None, "gqa"),
+        Family(qwen3.Qwen3Model, qwen3.Qwen3DecoderLayer, qwen3.Qwen3RMSNorm, qwen3.Qwen3MLP, None, "gqa"),
+        Family(qmoe.Qwen3MoeModel, qmoe.Qwen3MoeDecoderLayer, qmoe.Qwen3MoeRMSNorm, qmoe.Qwen3MoeMLP,
+               qmoe.Qwen3MoeSparseMoeBlock, "gqa"),
+        Family(ds.DeepseekV3Model, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, ds.DeepseekV3MLP, ds.DeepseekV3MoE,
+               "mla"),
+    ]
+
+
+def family_of(base_model) -> Family | None:
+    return next((f for f in families() if type(base_model) is f.model), None)
+
+
 def lean_supported(base_model) -> bool:
-    """True for a plain Hugging Face `LlamaModel` on one device with no dispatch hooks."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel, LlamaRMSNorm
-    except ImportError:
-        return False
+    """True for a plain Hugging Face base model of a known family (`families`) on one device, with
+    no dispatch hooks, unquantized linear layers, SiLU MLPs and full (not sliding-window) attention."""
+    fam = family_of(base_model)
     cfg = base_model.config
-    if type(base_model) is not LlamaModel or getattr(cfg, "hidden_act", None) != "silu":
+    if fam is None or getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "quantization_config", None):
         return False
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return False
@@ -28,8 +70,19 @@ def lean_supported(base_model) -> bool:
         return False
     if len({p.device for p in base_model.parameters()}) != 1:
         return False
-    norms = [base_model.norm] + [n for l in base_model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
-    return all(type(l) is LlamaDecoderLayer for l in base_model.layers) and all(type(n) is LlamaRMSNorm for n in norms)
+    # A quantized or otherwise replaced projection would be misread by F.linear on its .weight.
+    if any("Linear" in type(m).__name__ and type(m) is not torch.nn.Linear for m in base_model.modules()):
+        return False
+    norms = [base_model.norm]
+    for layer in base_model.layers:
+        a = layer.self_attn
+        if type(layer) is not fam.layer or type(layer.mlp) not in (fam.mlp, fam.moe):
+            return False
+        if getattr(a, "sliding_window", None) is not None:  # our attention is full causal
+            return False
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (getattr(a, k, None) for k in ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")) if n is not None]
+    return all(type(n) is fam.norm for n in norms)
 
 
 @dataclass(frozen=True)
@@ -58,20 +111,24 @@ class _Varlen:
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float):
-    """Causal attention of every sample of a pack with itself: q [N, Hq, D], k and v [N, Hkv, D]
-    -> [N, Hq, D]. On CUDA in bf16/fp16 one FlashAttention varlen call does every sample (GQA
+    """Causal attention of every sample of a pack with itself: q and k [N, Hq|Hkv, D], v [N, Hkv, Dv]
+    -> [N, Hq, Dv]. On CUDA in bf16/fp16 one FlashAttention varlen call does every sample (GQA
     included); elsewhere one SDPA call per sample, which for a pack of a few hundred short
     samples costs far more in launches than in arithmetic."""
+    dv = v.shape[-1]
     if len(packing.bounds) > 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _Varlen.ok:
         try:
+            # FlashAttention wants one head size: MLA's narrower value heads are padded with zeros,
+            # which adds zero columns to the output (sliced off).
+            v_ = F.pad(v, (0, q.shape[-1] - dv)) if dv != q.shape[-1] else v
             return torch.ops.aten._flash_attention_forward(
-                q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len, 0.0, True, False,
+                q, k, v_, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len, 0.0, True, False,
                 scale=scale,
-            )[0]
+            )[0][..., :dv]
         except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:  # an older or other build
             _Varlen.ok, _Varlen.why = False, f"{type(e).__name__}: {e}"
     gqa = q.shape[1] != k.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
     for s, e in packing.bounds:
         out[s:e] = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
@@ -91,9 +148,74 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2]
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+def _linear(proj, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, proj.weight, proj.bias)
+
+
+@dataclass(frozen=True)
+class _Rope:
+    """RoPE at the pack's positions: cos and sin [N, 1, D] from the model's own rotary embedding
+    (its scaling, e.g. YaRN or Llama-3, included)."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor  # [-sin1, sin2]: rotate_half(x) * sin == roll(x, D/2) * sin_signed
+    interleaved: bool = False  # DeepSeek's pairs (x0, x1), (x2, x3), ...
+
+    @classmethod
+    def at(cls, rotary_emb, h: torch.Tensor, positions: torch.Tensor, interleaved: bool = False) -> "_Rope":
+        cos, sin = rotary_emb(h, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        half = sin.shape[-1] // 2
+        return cls(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), interleaved)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # de-interleave, then the half-split rotation (what transformers computes)
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, -1), self.sin_signed)
+
+
+def _gqa_attention(a, x: torch.Tensor, rope: _Rope, packing: Packing) -> torch.Tensor:
+    """Llama / Qwen2 / Qwen3(-MoE) self-attention of a pack: [N, H] -> [N, H]."""
+    n, d = x.shape[0], a.head_dim
+    q = _linear(a.q_proj, x).view(n, -1, d)
+    k = _linear(a.k_proj, x).view(n, -1, d)
+    v = _linear(a.v_proj, x).view(n, -1, d)
+    if getattr(a, "q_norm", None) is not None:  # Qwen3: each head normalized before RoPE
+        q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
+    o = packed_causal_attention(rope(q), rope(k), v, packing, a.scaling)
+    return _linear(a.o_proj, o.view(n, -1))
+
+
+def _mla_attention(a, x: torch.Tensor, rope: _Rope, packing: Packing) -> torch.Tensor:
+    """DeepSeek-V3 multi-head latent attention of a pack: [N, H] -> [N, H]. The latent is
+    decompressed per token into full keys and values (all token-wise), then attended as
+    ordinary multi-head attention whose value heads are narrower than its query/key heads."""
+    n, nope, rot = x.shape[0], a.qk_nope_head_dim, a.qk_rope_head_dim
+    if a.q_lora_rank is None:
+        q = _linear(a.q_proj, x)
+    else:
+        q = _linear(a.q_b_proj, _rms(a.q_a_layernorm, _linear(a.q_a_proj, x)))
+    q = q.view(n, -1, nope + rot)
+    latent, k_rot = _linear(a.kv_a_proj_with_mqa, x).split([a.kv_lora_rank, rot], dim=-1)
+    kv = _linear(a.kv_b_proj, _rms(a.kv_a_layernorm, latent)).view(n, -1, nope + a.v_head_dim)
+    heads = kv.shape[1]
+    k = kv.new_empty(n, heads, nope + rot)
+    k[..., :nope] = kv[..., :nope]
+    k[..., nope:] = rope(k_rot.view(n, 1, rot))  # one rotary key, shared by every head
+    q = torch.cat((q[..., :nope], rope(q[..., nope:])), dim=-1)
+    o = packed_causal_attention(q, k, kv[..., nope:], packing, a.scaling)
+    return _linear(a.o_proj, o.reshape(n, -1))
+
+
+def _mlp(mlp, fam: Family, x: torch.Tensor) -> torch.Tensor:
+    """The layer's feed-forward on a pack: the dense gated MLP by hand (in place, one [N, I]
+    buffer), an MoE block by its own forward (router, experts, shared experts: the model's
+    kernels, e.g. grouped_mm), which is token-wise."""
+    if type(mlp) is not fam.mlp:
+        return mlp(x[None])[0]
+    g = F.silu(_linear(mlp.gate_proj, x))
+    g = g.mul_(_linear(mlp.up_proj, x))
+    return _linear(mlp.down_proj, g)
 
 
 @torch.inference_mode()
@@ -102,6 +224,7 @@ def lean_forward(base_model, seqs: list[list[int]], layer_ids: list[int], dtype:
     `dtype`, rows in `seqs` order. Token-wise ops see the whole pack; attention runs per
     sample (causal, positions restart at 0), so each sample's rows equal an unbatched run."""
     m = base_model
+    fam = family_of(m)
     device = next(m.parameters()).device
     cuda = device.type == "cuda"
     flat = [t for s in seqs for t in s]
@@ -129,29 +252,14 @@ def lean_forward(base_model, seqs: list[list[int]], layer_ids: list[int], dtype:
 
     h = m.embed_tokens(ids)
     keep(0, h)
-    cos, sin = m.rotary_emb(h, positions[None])
-    cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
-    half = sin.shape[-1] // 2
-    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    mla = fam.attention == "mla"
+    rope = _Rope.at(m.rotary_emb, h, positions, interleaved=mla and bool(getattr(m.config, "rope_interleave", False)))
+    attention = _mla_attention if mla else _gqa_attention
     for i, layer in enumerate(m.layers):
-        a, mlp = layer.self_attn, layer.mlp
-        x = _rms(layer.input_layernorm, h)
-        d = a.head_dim
-        q = F.linear(x, a.q_proj.weight, a.q_proj.bias).view(n_tok, -1, d)
-        k_ = F.linear(x, a.k_proj.weight, a.k_proj.bias).view(n_tok, -1, d)
-        v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(n_tok, -1, d)
-        q, k_ = _rope(q, cos, sin_signed), _rope(k_, cos, sin_signed)
-        o = packed_causal_attention(q, k_, v, packing, a.scaling).view(n_tok, -1)
-        h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)
-        x = _rms(layer.post_attention_layernorm, h)
-        g = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-        g = g.mul_(F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias))
-        h = h + F.linear(g, mlp.down_proj.weight, mlp.down_proj.bias)
-        del x, q, k_, v, o, g
+        h = h + attention(layer.self_attn, _rms(layer.input_layernorm, h), rope, packing)
+        h = h + _mlp(layer.mlp, fam, _rms(layer.post_attention_layernorm, h))
         if i + 1 < num_layers:
             keep(i + 1, h)
     last = _rms(m.norm, h)
     keep(num_layers, last)  # HF convention: the last hidden_states index is after the final norm
     return aux, last.to(dtype)
-
-

@@ -158,7 +158,11 @@ def load_model(
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default in the Hugging Face `hidden_states` convention."""
+    """EAGLE-3's default in the Hugging Face `hidden_states` convention, for every family we
+    extract: vLLM's `get_eagle3_aux_hidden_state_layers` returns the same (2, N//2, N-3) for
+    Llama, Qwen2/3, Qwen3-MoE and DeepSeek-V2/V3 (Kimi-K2) targets, and SpecForge's published
+    DeepSeek-V3 and Qwen3-235B-A22B drafters use it too (written there in SGLang's "output of
+    layer X" convention: [1, 29, 57] for DeepSeek-V3's 61 layers is [2, 30, 58] here)."""
     return [2, num_layers // 2, num_layers - 3]
 
 

@@ -18,16 +18,19 @@ def stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_job(params_cls, work: Callable, report: Callable) -> None:
+def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) -> None:
     """Run `work(params, log)` on every rank; on rank 0 inside a Pipes session, then
-    `report(pipes, params, result)`. An exception fails the Dagster step with its message."""
+    `report(pipes, params, result)`. An exception fails the Dagster step with its message.
+    `stream=True` calls `work(params, log, pipes)` (pipes None off rank 0), for a job that
+    reports as it goes. A params class with a `from_json` classmethod parses its own JSON."""
     from dagster_pipes import open_dagster_pipes
 
     from ..core.config import from_json
 
-    params = from_json(params_cls, os.environ[PARAMS_ENV])
+    text = os.environ[PARAMS_ENV]
+    params = params_cls.from_json(text) if hasattr(params_cls, "from_json") else from_json(params_cls, text)
     if int(os.environ.get("RANK", 0)) != 0:
-        work(params, stderr_log)
+        work(params, stderr_log, None) if stream else work(params, stderr_log)
         return
     with open_dagster_pipes() as pipes:
 
@@ -35,7 +38,7 @@ def run_job(params_cls, work: Callable, report: Callable) -> None:
             stderr_log(msg)
             pipes.log.info(msg)
 
-        report(pipes, params, work(params, log))
+        report(pipes, params, work(params, log, pipes) if stream else work(params, log))
 
 
 def path(value: str) -> dict:

@@ -1,16 +1,68 @@
-"""Pipes entry point of one shard's hidden-state extraction (`python -m` or under torchrun)."""
+"""Pipes entry point of the hidden-state extraction of one or several shards (`python -m` or
+under torchrun).
+
+Pipes reports one materialization per asset and session, so each shard's result travels as a
+custom message, `{"shard", "metadata"}` or `{"shard", "error"}`, sent as soon as the shard is
+done; the `hidden_states` asset turns them into one materialization (and check) per partition.
+"""
 
 from __future__ import annotations
 
-from ..core.extract_job import ExtractJob, run_extraction
-from . import json_value, path, run_job
+import os
+import time
+from pathlib import Path
+
+from ..core import extract_job
+from ..core.extract_job import ExtractJob, ExtractShards, extract_shards
+from . import run_job
+
+# Tests only: seconds of sleep added to each model load, to stand in for a big target's load.
+LOAD_DELAY_ENV = "EAGLE3_TEST_MODEL_LOAD_DELAY_S"
 
 
-def report(pipes, job: ExtractJob, metadata: dict) -> None:
-    pipes.report_asset_materialization(
-        metadata={**metadata, "path": path(metadata["path"]), "aux_layer_ids": json_value(metadata["aux_layer_ids"])}
-    )
+def shard_result(job: ExtractJob, result) -> dict:
+    """One shard's custom message: its metadata (plain JSON values) or its error."""
+    shard = Path(job.shard_dir).name
+    if isinstance(result, BaseException):
+        return {"shard": shard, "error": f"{type(result).__name__}: {result}"}
+    return {"shard": shard, "metadata": result}
+
+
+def work(group: ExtractShards, log, pipes) -> None:
+    """Extract the shards; on rank 0, each shard's message goes out as soon as it is done. Under
+    Dagster the asset reads the failures from the messages (the process exits 0, or its messages
+    would be lost); run by hand, a failed shard makes the process fail."""
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    failed = []
+
+    def on_shard(job: ExtractJob, result) -> None:
+        message = shard_result(job, result)
+        if "error" in message:
+            log(f"shard {message['shard']} failed: {message['error']}")
+            failed.append(message["error"])
+        pipes.report_custom_message(message)
+
+    extract_shards(group, log, on_shard)
+    if failed and not PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        raise RuntimeError(f"{len(failed)} of {len(group.jobs)} shard(s) failed: " + " | ".join(failed))
+
+
+def report(pipes, group: ExtractShards, _) -> None:
+    pass  # every shard was reported as it finished
+
+
+def _slow_loads(delay_s: float) -> None:
+    load = extract_job.load_model
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return load(*args, **kwargs)
+
+    extract_job.load_model = slow
 
 
 if __name__ == "__main__":
-    run_job(ExtractJob, run_extraction, report)
+    if os.environ.get(LOAD_DELAY_ENV):
+        _slow_loads(float(os.environ[LOAD_DELAY_ENV]))
+    run_job(ExtractShards, work, report, stream=True)
