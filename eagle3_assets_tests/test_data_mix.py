@@ -6,7 +6,6 @@ import json
 
 import polars as pl
 import pytest
-import torch
 from dagster import DagsterInstance, materialize
 
 from eagle3_assets.core.decontaminate import Decontaminator, eval_texts
@@ -134,7 +133,7 @@ def test_every_turn_is_answered_after_the_targets_own_answers(target, tmp_path):
     ids, mask = row["input_ids"], row["loss_mask"]
     assert row["turns"] == 3 and r.samples == 3 and r.counts["turns_asked"] == 3 + 1 + 2
     # turn by turn: the prompt is the sample so far + the template's glue; the answer is the target's greedy one
-    prompt = template_ids(tok, "be brief", "hi")
+    prompt, answer = template_ids(tok, "be brief", "hi"), []
     for k, humans in enumerate([["hi"], ["hi", "and then?"], ["hi", "and then?", "why"]]):
         if k:
             prompt = prompt + answer + turn_glue_ids(tok, "be brief", humans, None)
