@@ -12,14 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 settings=${1:-benchmarks/h200_run.yaml}
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=4
-t0=$(date +%s)
-stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$OUT/session.log"; }
-
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl 2>&1 | tail -3
-fi
+SESSION_LOG=session.log
+source benchmarks/device_env.sh
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
 stamp "python $(python3 -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)')"
 

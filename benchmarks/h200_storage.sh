@@ -19,14 +19,8 @@ cd "$(dirname "$0")/.."
 variant=${1:?variant: bf16_last_hidden, fp8_last_hidden or fp8_topk}
 settings=benchmarks/h200_storage_${variant}.yaml
 [ -f "$settings" ] || { echo "no $settings"; exit 2; }
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=4
-t0=$(date +%s)
-stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$OUT/storage_session.log"; }
-
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl 2>&1 | tail -3
-fi
+SESSION_LOG=storage_session.log
+source benchmarks/device_env.sh
 stamp "$variant: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1)"
 python3 -m eagle3_assets.cli plan --settings "$settings" --json > "$OUT/plan_$variant.json" 2> "$OUT/plan_$variant.err"
 python3 -m eagle3_assets.cli plan --settings "$settings" 2> /dev/null | head -12
