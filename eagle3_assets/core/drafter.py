@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from .files import atomic_path, atomic_write_text
 
 CHECKPOINT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"
@@ -474,14 +475,16 @@ def save_checkpoint(
     config = checkpoint_config(model.config, dtype)
     config.update(extra_config or {})
 
-    pid = os.getpid()
-    tmp_weights = out_dir / f".{WEIGHTS_NAME}.tmp-{pid}"
-    tmp_config = out_dir / f".{CONFIG_NAME}.tmp-{pid}"
-    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-    tmp_config.write_text(json.dumps(config, indent=2) + "\n")
-    # Weights first, config last: a directory with a config.json has its weights.
-    os.replace(tmp_weights, out_dir / WEIGHTS_NAME)
-    os.replace(tmp_config, out_dir / CONFIG_NAME)
+    return write_checkpoint(out_dir, tensors, config)
+
+
+def write_checkpoint(out_dir: Path, tensors: dict, config: dict, metadata: dict | None = None) -> Path:
+    """`model.safetensors` then `config.json`, each atomically: weights first, config last, so a
+    folder with a config.json has its weights (every checkpoint and export is written so)."""
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata or {"format": "pt"})
+    atomic_write_text(json.dumps(config, indent=2) + "\n", out_dir / CONFIG_NAME)
     return out_dir
 
 

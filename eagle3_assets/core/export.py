@@ -72,14 +72,12 @@ How the engines read it (source read for this module; paths are in the public re
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3_assets.core.drafter import (
     CHECKPOINT_ARCHITECTURE,
@@ -87,8 +85,8 @@ from eagle3_assets.core.drafter import (
     WEIGHTS_NAME,
     config_from_checkpoint,
     expected_shapes,
+    write_checkpoint,
 )
-from eagle3_assets.core.files import tmp_name
 
 Engine = Literal["vllm", "sglang"]
 
@@ -191,16 +189,11 @@ def write_engine_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, eng
     config = json.loads((checkpoint_dir / CONFIG_NAME).read_text())
     new_config = engine_config(config, engine)
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights, cfg = out_dir / WEIGHTS_NAME, out_dir / CONFIG_NAME
     with safe_open(str(checkpoint_dir / WEIGHTS_NAME), framework="pt") as f:
         tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     if engine == "vllm" and full_vocab(config):
         tensors = _without_vocab_map(tensors, checkpoint_dir)
-    save_file(tensors, str(tmp_name(weights)), metadata=metadata)
-    os.replace(tmp_name(weights), weights)
-    tmp_name(cfg).write_text(json.dumps(new_config, indent=2) + "\n")
-    os.replace(tmp_name(cfg), cfg)
-    return out_dir
+    return write_checkpoint(out_dir, tensors, new_config, metadata)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,12 +362,7 @@ def export_speculators(
     new_config = speculators_config(config, target_model_name_or_path, speculative_tokens, verifier_architectures)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights, cfg = out_dir / WEIGHTS_NAME, out_dir / CONFIG_NAME
-    save_file(out, str(tmp_name(weights)), metadata={"format": "pt"})
-    tmp_name(cfg).write_text(json.dumps(new_config, indent=2) + "\n")
-    os.replace(tmp_name(weights), weights)
-    os.replace(tmp_name(cfg), cfg)
-    return out_dir
+    return write_checkpoint(out_dir, out, new_config)
 
 
 # ---------------------------------------------------------------------------------------------
