@@ -28,9 +28,9 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunSta
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from .assets import prompts as prompts_asset
-from .assets.generations import FORCE_TAG
 from .definitions import JOBS
 from .partitions import shards
+from .policies import FORCE_TAG
 from .settings import Settings
 
 PID_TAG, HOST_TAG = "eagle3/pid", "eagle3/host"

@@ -187,6 +187,8 @@ def test_stale_assets_rerun_and_select_and_force_choose_what_runs(tiny_target, t
     # --force redoes exactly the selection.
     out = eagle3_run(project, "--force", "--select", f"hidden_states[{SHARDS[1]}]")
     assert [line for line in out.splitlines() if line.startswith("-> ")] == [f"-> hidden_states[{SHARDS[1]}]: --force"]
+    forced = _all(project, "hidden_states", SHARDS[1])[0]
+    assert forced["samples_resumed"] == 0 and forced["tokens_extracted"] == forced["tokens"] > 0  # redone, not kept
     with pytest.raises(AssertionError, match="unknown asset 'hidden_state'"):
         eagle3_run(project, "--select", "hidden_state")
 

@@ -10,16 +10,13 @@ from ..core.engines import generate
 from ..core.shards import shard_range
 from ..core.target import resolve_target
 from ..partitions import shards
-from ..policies import GPU_POOL, GPU_RETRY
+from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
 from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "generation")
 SETTINGS_USED_ALL_TURNS = ("max_prompt_tokens",)  # the budget of every later turn's prompt
-
-
-FORCE_TAG = "eagle3/force"  # set by `eagle3 run --force`: recompute even what could be reused
 
 
 def build(settings: Settings):

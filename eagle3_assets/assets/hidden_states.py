@@ -42,7 +42,7 @@ from ..core.extract_job import ExtractJob, ExtractShards
 from ..core.target import resolve_target
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
-from ..policies import GPU_POOL, GPU_RETRY
+from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
 from ..resources import layout
 from ..settings import Settings
 
@@ -100,7 +100,8 @@ def build(settings: Settings):
             if attempt:
                 context.log.warning(f"retrying {len(pending)} failed shard(s) in {RETRY.delay} s: {pending}")
                 time.sleep(RETRY.delay)
-            results.update(extract(context, launcher, pending))
+            # --force redoes the files on the first attempt; a retry resumes from what it wrote
+            results.update(extract(context, launcher, pending, redo=not attempt and FORCE_TAG in context.run.tags))
 
         done, failed = {}, []
         for shard in keys:
@@ -130,7 +131,7 @@ def build(settings: Settings):
             raise ShardsFailed(f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
                                "failed ones, finished sample files are kept): " + " | ".join(failed))
 
-    def extract(context: AssetExecutionContext, launcher: Launcher, keys: list[str]) -> dict[str, dict]:
+    def extract(context: AssetExecutionContext, launcher: Launcher, keys: list[str], redo: bool) -> dict[str, dict]:
         """One job over `keys`, one model load: each shard's message, `{"metadata"}` or `{"error"}`."""
         results, jobs = {}, []
         for shard in keys:
@@ -146,6 +147,7 @@ def build(settings: Settings):
                 target_name=settings.target_model,
                 config=settings.extraction,
                 vocab_map_path=str(paths.vocab_map) if topk else None,
+                redo=redo,
             ))
         if not jobs:
             return results

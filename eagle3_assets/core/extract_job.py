@@ -101,6 +101,7 @@ class ExtractJob:
     target_name: str
     config: ExtractConfig = field(default_factory=ExtractConfig)
     vocab_map_path: str | None = None  # teacher "topk": the draft vocabulary the top-k is taken over
+    redo: bool = False  # extract every sample again, valid files or not (`eagle3 run --force`)
 
 
 def extract_layout(cfg: ExtractConfig, hidden_size: int, draft_vocab: str | None = None) -> SampleLayout:
@@ -330,7 +331,7 @@ def _plan(job: ExtractJob, target: _Target, locks: ExitStack, log) -> _Plan:
     locks.enter_context(shard_lock(shard_dir))
     gens = pl.read_parquet(job.generations_path).select("row_id", "input_ids", "loss_mask")
     (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
-    todo, resumed = plan_shard(gens, shard_dir, layout)
+    todo, resumed = plan_shard(gens, shard_dir, layout, redo=job.redo)
     check_free_space(shard_dir, layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
     log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files "
         f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)")

@@ -332,10 +332,10 @@ def check_free_space(shard_dir: Path, needed: int) -> None:
 
 
 def plan_shard(
-    generations: pl.DataFrame, shard_dir: Path, layout: SampleLayout
+    generations: pl.DataFrame, shard_dir: Path, layout: SampleLayout, redo: bool = False
 ) -> tuple[list[tuple[int, list[int], list[int]]], int]:
     """Samples still to extract (valid files of this layout are kept; files of another layout, or
-    damaged ones, are redone), and how many were resumed."""
+    damaged ones, are redone; `redo` redoes them all), and how many were resumed."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     remove_temporaries(shard_dir)
     wanted = {sample_file(shard_dir, r).name for r in generations["row_id"]}
@@ -346,10 +346,10 @@ def plan_shard(
     for row in generations.iter_rows(named=True):
         path = sample_file(shard_dir, row["row_id"])
         if path.exists():
-            if validate_sample(path, row["input_ids"], layout):
+            if not redo and validate_sample(path, row["input_ids"], layout):
                 resumed += 1
                 continue
-            path.unlink()  # truncated, damaged or of another layout: redo it
+            path.unlink()  # truncated, damaged, of another layout, or asked for again: redo it
         todo.append((row["row_id"], list(row["input_ids"]), list(row["loss_mask"])))
     return todo, resumed
 
