@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from dagster import DagsterInstance
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 from safetensors import safe_open
 
 from eagle3_assets.cli import history, summary
@@ -100,6 +100,19 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     assert ev["greedy_check_matches"] == ev["greedy_check_prompts"] == 2  # float32: speculative == plain greedy
     assert any(line.startswith("acceptance length tau:") for line in summary(instance, keys).splitlines())
 
+    # The model card beside the drafter and each export, from the figures the run recorded.
+    card = (ckpt / "README.md").read_text()
+    assert f"tau {ev['tau']:.3f}" in card and f"{sum(hs[k]['samples'] for k in keys):,} samples" in card
+    assert "| embedded:sharegpt | 9 |" in card and f"{drafter['steps']:,} steps" in card
+    assert f"--speculative-draft-model-path {drafter['export_sglang']}" in card and '"method": "eagle3"' in card
+    assert all((Path(drafter[k]) / "README.md").read_text() == card for k in ("export_vllm", "export_sglang", "export_speculators"))
+    assert ev["model_card"] == card
+    # The learning curve, one observation per logged point, for the UI's plots.
+    points = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey("drafter")), limit=1000).records
+    curve = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()} for r in points]
+    assert [p["curve_step"] for p in sorted(curve, key=lambda p: p["curve_step"])] == [p["step"] for p in drafter["learning_curve"]]
+    assert all(len([k for k in p if k.startswith("curve_top1_step_")]) == 7 and p["curve_loss"] > 0 for p in curve)
+
     # The throughput history as a table, a chart, and what the manifests say is on disk.
     report = throughput_report(rows)
     assert report["shard"].to_list() == keys and report["runs"].to_list() == [1, 1, 1]
@@ -111,8 +124,6 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
 
     # Lineage: each materialization carries a data version derived from its inputs.
     for key in ("prompts", "drafter"):
-        from dagster import AssetKey
-
         ev_ = instance.get_latest_materialization_event(AssetKey(key))
         assert ev_.asset_materialization.tags.get("dagster/data_version")
 

@@ -7,10 +7,11 @@ killed or stopped training continues on the next materialization with the same s
 
 import json
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ResourceParam, asset
+from dagster import AssetExecutionContext, AssetObservation, MaterializeResult, MetadataValue, ResourceParam, asset
 from safetensors import safe_open
 
 from ..core.export import export_speculators, validate_for_engine, verifier_name, write_engine_checkpoint
+from ..core.model_card import CARD_NAME
 from ..core.sample_files import MANIFEST
 from ..core.target import resolve_target
 from ..core.train import TrainJob, load_target_head
@@ -56,8 +57,11 @@ def build(settings: Settings):
             config=settings.training,
             state_path=str(paths.drafter_state),
         )
+        for d in (paths.drafter, *(paths.drafter_export(e) for e in ("vllm", "sglang", "speculators"))):
+            (d / CARD_NAME).unlink(missing_ok=True)  # drafter_eval writes the new drafter's card
         gpu_job = GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=settings.training.nproc)
         trained = launcher.run(context, gpu_job).get_materialize_result()
+        log_learning_curve(context, trained.metadata["learning_curve"].value)
 
         # One copy per serving engine: each reads the layer ids from a different place and in a
         # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
@@ -79,6 +83,19 @@ def build(settings: Settings):
         )
 
     return drafter
+
+
+def log_learning_curve(context: AssetExecutionContext, curve: list[dict], points: int = 200) -> None:
+    """One observation per logged training point (at most `points`, evenly spaced, the last kept), so
+    the asset's Plots tab charts the loss and the top-1 of every TTT step over the run."""
+    stride = max(1, -(-len(curve) // points))
+    for i, p in enumerate(curve):
+        if i % stride and i != len(curve) - 1:
+            continue
+        context.log_event(AssetObservation(asset_key=context.asset_key, metadata={
+            "curve_step": p["step"], "curve_train_s": p["time_s"], "curve_loss": p["loss"],
+            **{f"curve_top1_step_{k}": a for k, a in enumerate(p["accuracy"])},
+        }))
 
 
 def _aux_layer_ids(shard_dir) -> list[int]:

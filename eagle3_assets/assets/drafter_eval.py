@@ -1,12 +1,19 @@
-"""`drafter_eval`: acceptance length (tau) by real greedy speculative decoding on held-out prompts."""
+"""`drafter_eval`: acceptance length (tau) by real greedy speculative decoding on held-out prompts;
+then the drafter's model card (README.md beside the drafter and each export), from what the run
+recorded."""
 
 import json
+from dataclasses import asdict
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetKey, MaterializeResult, MetadataValue, asset
 
 from ..core.evaluate import EvalJob, evaluate
+from ..core.export import verifier_name
 from ..core.files import atomic_write_text
+from ..core.model_card import CARD_NAME, model_card
+from ..core.report import manifests_summary
 from ..core.target import resolve_target
+from ..partitions import shards
 from ..policies import GPU_POOL
 from ..resources import layout
 from ..settings import Settings
@@ -32,6 +39,15 @@ def build(settings: Settings):
                       settings.eval)
         r = evaluate(job, log=context.log.info)
         atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
+        exports = {e: paths.drafter_export(e) for e in ("vllm", "sglang", "speculators")}
+        keys = set(context.instance.get_dynamic_partitions(shards.name))
+        card = model_card(
+            verifier_name(settings.target_model), _latest_metadata(context, "prompts"),
+            [s for s in manifests_summary(paths.root / "hidden_states") if s[0] in keys], asdict(settings.generation),
+            _latest_metadata(context, "drafter"), r, exports, settings.eval.num_draft_tokens,
+        )
+        for d in (paths.drafter, *exports.values()):
+            atomic_write_text(card, d / CARD_NAME)
         per_set = {f"tau_{name}": round(s["tau"], 4) for name, s in r["sets"].items()}
         optional = {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
                     for k in ("speedup", "spec_s", "greedy_s", "speedup_prompts", "greedy_check_matches",
@@ -55,7 +71,15 @@ def build(settings: Settings):
                 "acceptance_s": round(r["acceptance_s"], 2),
                 "eval_s": round(r["eval_s"], 2),
                 "path": MetadataValue.path(str(paths.drafter_eval)),
+                "model_card": MetadataValue.md(card),
+                "model_card_path": MetadataValue.path(str(paths.drafter / CARD_NAME)),
             }
         )
 
     return drafter_eval
+
+
+def _latest_metadata(context: AssetExecutionContext, key: str) -> dict:
+    event = context.instance.get_latest_materialization_event(AssetKey(key))
+    meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+    return {k: getattr(v, "value", v) for k, v in meta.items()}
