@@ -57,7 +57,7 @@ def build(settings: Settings):
             config=settings.training,
             state_path=str(paths.drafter_state),
         )
-        for d in (paths.drafter, *(paths.drafter_export(e) for e in ("vllm", "sglang", "speculators"))):
+        for d in (paths.drafter, *paths.drafter_exports.values()):
             (d / CARD_NAME).unlink(missing_ok=True)  # drafter_eval writes the new drafter's card
         gpu_job = GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=settings.training.nproc)
         trained = launcher.run(context, gpu_job).get_materialize_result()

@@ -39,7 +39,7 @@ def build(settings: Settings):
                       settings.eval)
         r = evaluate(job, log=context.log.info)
         atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
-        exports = {e: paths.drafter_export(e) for e in ("vllm", "sglang", "speculators")}
+        exports = paths.drafter_exports
         keys = set(context.instance.get_dynamic_partitions(shards.name))
         card = model_card(
             verifier_name(settings.target_model), _latest_metadata(context, "prompts"),

@@ -38,5 +38,9 @@ class Layout:
         return self.root / "drafter_exports" / engine
 
     @property
+    def drafter_exports(self) -> dict[str, Path]:
+        return {e: self.drafter_export(e) for e in ("vllm", "sglang", "speculators")}
+
+    @property
     def drafter_eval(self) -> Path:
         return self.root / "drafter_eval" / "eval.json"
