@@ -181,3 +181,24 @@ def test_routed_experts_equal_transformers_moe_block(family):
         # the routed part alone, against transformers' experts module
         torch.testing.assert_close(routed_experts(mlp.experts, x, index, weights), mlp.experts(x, index, weights),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_predicted_checkpoint_bytes_are_the_written_ones_and_eagle3_plan_uses_them(checkpoints, tmp_path):
+    """The bytes `eagle3 plan` predicts from a config (before a download) are the bytes of the checkpoint
+    as written; `eagle3 plan --gpus` reads them from the folder and spreads the experts over the GPUs."""
+    from transformers import AutoConfig
+
+    from eagle3_assets.cli import gpu_plan_from_settings
+    from eagle3_assets.core.quantized import predict_checkpoint_bytes
+    from eagle3_assets.settings import load_settings
+
+    for case, (qdir, _) in checkpoints.items():
+        written = checkpoint_tensor_bytes(qdir)
+        assert predict_checkpoint_bytes(AutoConfig.from_pretrained(qdir), CASES[case][1], dtype_bytes=4) == written, case
+    qdir, _ = checkpoints["int4_qwen3_moe"]
+    settings = load_settings().model_copy(update={"target_model": str(qdir), "storage_root": str(tmp_path / "data")})
+    g = gpu_plan_from_settings(settings, {"total": {"tokens": 10_000, "samples": 10}}, 2, 1e9)
+    parts = checkpoint_tensor_bytes(qdir)
+    assert g["checkpoint_bytes"] == parts["total"] and g["weights"]["experts_per_gpu"] == 4
+    assert g["weights_bytes"] == parts["routed_experts"] / 2 + parts["other"] + parts["embeddings_and_head"] / 2
+    assert g["pack_tokens"] > 0 and g["mean_tokens_per_sample"] == 1000

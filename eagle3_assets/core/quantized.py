@@ -429,3 +429,39 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, scheme, dequan
                 shutil.copy(f, ref / f.name)
         save_file(plain, str(ref / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def predict_checkpoint_bytes(config, scheme=None, dtype_bytes: int = 2) -> dict[str, int]:
+    """The bytes `checkpoint_tensor_bytes` would count for a checkpoint of `config` stored as it ships
+    (`quantize_checkpoint`'s rules; `scheme` None: every tensor in `dtype_bytes`), from a weightless
+    (meta) model of the config: no checkpoint needed (the plan of a model not yet downloaded)."""
+    from transformers import AutoModelForCausalLM
+
+    config = config.__class__.from_dict(config.to_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    out = {"total": 0, "routed_experts": 0, "embeddings_and_head": 0, "other": 0}
+    for name, p in model.named_parameters():
+        shapes = [tuple(p.shape[1:])] * p.shape[0] if _is_experts(model.get_submodule(name.rpartition(".")[0])) else [tuple(p.shape)]
+        routed = ".mlp.experts." in name
+        if routed and name.endswith("gate_up_proj"):  # stored per expert as gate_proj and up_proj
+            shapes = [(s[0] // 2, s[1]) for s in shapes for _ in range(2)]
+        linear = len(shapes[0]) == 2 and (routed or bool(_LAYER_LINEAR.search(name.replace(".gate_up_proj", ".gate_proj.weight"))))
+        quantized = scheme is not None and linear and (routed or isinstance(scheme, Fp8Block))
+        n = 0
+        for shape in shapes:
+            if not quantized:
+                n += math.prod(shape) * (4 if name.endswith("e_score_correction_bias") else dtype_bytes)
+            else:
+                n += sum(math.prod(s) * d.itemsize for s, d in scheme.param_shapes(*shape, torch.bfloat16).values())
+        part = "routed_experts" if routed else "embeddings_and_head" if name.endswith(
+            ("embed_tokens.weight", "lm_head.weight")) else "other"
+        out[part] += n
+        out["total"] += n
+    for name, b in model.named_buffers():  # persistent buffers are stored (DeepSeek's correction bias)
+        if name.endswith("e_score_correction_bias"):
+            out["other"] += b.numel() * 4
+            out["total"] += b.numel() * 4
+    return out
