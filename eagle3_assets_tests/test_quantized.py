@@ -202,3 +202,25 @@ def test_predicted_checkpoint_bytes_are_the_written_ones_and_eagle3_plan_uses_th
     assert g["checkpoint_bytes"] == parts["total"] and g["weights"]["experts_per_gpu"] == 4
     assert g["weights_bytes"] == parts["routed_experts"] / 2 + parts["other"] + parts["embeddings_and_head"] / 2
     assert g["pack_tokens"] > 0 and g["mean_tokens_per_sample"] == 1000
+
+
+@pytest.mark.parametrize("scheme", [Int4Group(32), Fp8Block((16, 32))], ids=["int4", "fp8"])
+def test_experts_quantized_in_memory_equal_the_checkpoint_route(scheme, tmp_path):
+    """`quantize_experts` (the benchmark's quantized variant, no checkpoint written) stores the same
+    integers and scales as a checkpoint quantized by `quantize_checkpoint` and loaded."""
+    from eagle3_assets.core.quantized import quantize_experts
+
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(family_config("qwen3_moe")).save_pretrained(tmp_path / "src")
+    base = AutoModel.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    assert quantize_experts(base, scheme) == len(base.layers) - 1  # layer 0 is dense
+    if isinstance(scheme, Int4Group):  # a plain checkpoint cannot say fp8-for-experts-only: the int4 route only
+        loaded = load_quantized_base(quantize_checkpoint(tmp_path / "src", tmp_path / "q", scheme), torch.float32)
+        for a, b in zip(base.layers[1].mlp.experts.buffers(), loaded.layers[1].mlp.experts.buffers()):
+            assert torch.equal(a, b)
+    gate_up, down = base.layers[1].mlp.experts.weights(0, 8, torch.float32)
+    ref = AutoModel.from_pretrained(tmp_path / "src", dtype=torch.float32).layers[1].mlp.experts
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(gate_up, ref.gate_up_proj) < (0.12 if isinstance(scheme, Int4Group) else 0.04)
+    assert rel(down, ref.down_proj) < (0.12 if isinstance(scheme, Int4Group) else 0.04)
+    assert lean_supported(base)

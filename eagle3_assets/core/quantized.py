@@ -51,21 +51,22 @@ class Int4Group:
         return f"int4 (compressed-tensors pack-quantized, symmetric, group {self.group_size})"
 
     def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """What compressed-tensors writes for `w` [out, in]: a min-max symmetric scale per group
+        """What compressed-tensors writes for `w` [..., out, in]: a min-max symmetric scale per group
         (absmax / 7.5, as its observer computes it), q = round(w / scale) clamped to [-8, 7]."""
-        out_f, in_f = w.shape
+        *lead, out_f, in_f = w.shape
         if in_f % self.group_size or in_f % 8:
             raise QuantizedCheckpointError(f"int4 group quantization needs the input size ({in_f}) to be a multiple of "
                                            f"the group size ({self.group_size}) and of 8")
-        g = w.float().view(out_f, in_f // self.group_size, self.group_size)
+        g = w.float().reshape(*lead, out_f, in_f // self.group_size, self.group_size)
         scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8).to(scale_dtype)
-        q = torch.round(g / scale.float()[..., None]).clamp(-8, 7).to(torch.int32).view(out_f, in_f)
-        u = (q + 8).to(torch.int64).view(out_f, in_f // 8, 8)
-        packed = torch.zeros(out_f, in_f // 8, dtype=torch.int64)
+        u = (torch.round(g / scale.float()[..., None]).clamp(-8, 7) + 8).to(torch.int64).view(*lead, out_f, in_f // 8, 8)
+        del g
+        packed = torch.zeros(*lead, out_f, in_f // 8, dtype=torch.int64, device=w.device)
         for i in range(8):
             packed |= u[..., i] << (4 * i)
         packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the uint32 bits read as int32
-        return {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int32)}
+        shape = torch.tensor([out_f, in_f], dtype=torch.int32, device=w.device).expand(*lead, 2).contiguous()
+        return {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """[..., out, in] in `dtype` from [..., out, in/8] packed and [..., out, in/group] scales
@@ -115,12 +116,14 @@ class Fp8Block:
             x = F.pad(x, (0, pi, 0, po))
         return x.reshape(*lead, (o + po) // b0, b0, (i + pi) // b1, b1)
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        o, i = w.shape
+    def quantize(self, w: torch.Tensor, scale_dtype=None) -> dict[str, torch.Tensor]:
+        """DeepSeek-V3's block quantization of `w` [..., out, in]: scale = the block's absmax / 448."""
+        *lead, o, i = w.shape
         blocks = self._blocks(w.float())
-        scale = (blocks.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp(min=1e-12)  # [o/b0, i/b1]
-        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(blocks.shape[0] * self.block[0], -1)
-        return {"weight": q[:o, :i].to(torch.float8_e4m3fn).contiguous(), "weight_scale_inv": scale.contiguous()}
+        scale = (blocks.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp(min=1e-12)  # [..., o/b0, i/b1]
+        q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+        q = q.reshape(*lead, blocks.shape[-4] * self.block[0], -1)
+        return {"weight": q[..., :o, :i].to(torch.float8_e4m3fn).contiguous(), "weight_scale_inv": scale.contiguous()}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """weight * weight_scale_inv of its block in float32, rounded once to `dtype` (DeepSeek's
@@ -370,6 +373,29 @@ def _read(ck: _Checkpoint, owner_key: str, attr: str, owner, like: torch.Tensor)
     raise QuantizedCheckpointError(f"the checkpoint has no {key}")
 
 
+def quantize_experts(base_model, scheme, scale_dtype: torch.dtype = torch.bfloat16, experts_per_chunk=None) -> int:
+    """Replace each layer's transformers experts ([E, 2I, H] and [E, H, I]) by `QuantExperts` holding
+    them quantized as `scheme` stores them, on their device, layer by layer: a quantized target
+    without a checkpoint written (the benchmark's INT4 variant). Returns how many were replaced."""
+    n = 0
+    for name, module in list(base_model.named_modules()):
+        if not _is_experts(module):
+            continue
+        e, two_i, h = module.gate_up_proj.shape
+        inter = two_i // 2
+        q = QuantExperts(scheme, e, h, inter, scale_dtype, experts_per_chunk)
+        with torch.no_grad():
+            for proj, w in (("gate_proj", module.gate_up_proj[:, :inter]), ("up_proj", module.gate_up_proj[:, inter:]),
+                            ("down_proj", module.down_proj)):
+                for key, value in scheme.quantize(w, scale_dtype).items():
+                    setattr(getattr(q, proj), key, value)
+        parent, _, child = name.rpartition(".")
+        setattr(base_model.get_submodule(parent), child, q)
+        del module
+        n += 1
+    return n
+
+
 def held_bytes(model) -> int:
     """Bytes of every parameter and buffer of a loaded model: what its weights hold in memory."""
     seen, n = set(), 0
@@ -407,7 +433,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, scheme, dequan
     for key in sorted(ck.where):
         t = ck.get(key)
         if which.search(key) and t.dim() == 2:
-            q = scheme.quantize(t, scale_dtype) if isinstance(scheme, Int4Group) else scheme.quantize(t)
+            q = scheme.quantize(t, scale_dtype)
             base = key[: -len(".weight")]
             quantized.update({f"{base}.{k}": v for k, v in q.items()})
             plain[key] = scheme.dequantize(q, torch.float32).to(t.dtype).contiguous()
