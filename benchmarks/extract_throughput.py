@@ -17,6 +17,12 @@ tensor parallelism runs) to the table, with tokens/s and bytes per token:
 
     PYTHONPATH=. python benchmarks/extract_throughput.py --arch qwen3_moe --skip-durable --json $OUT/moe.json
 
+`--fp32-slice` (MoE) first compares a 4-layer float32 slice of the shape with transformers, in
+float32 and in bf16 (issue 21: <= 1e-4, and at most 1.5x transformers' own bf16 error); `--int4`
+(MoE) last re-runs the forward and the engine with the routed experts in Kimi-K2's INT4
+(compressed-tensors pack-quantized, group 32), dequantized per layer: memory held beside bf16.
+`benchmarks/h200_moe.sh` runs both shapes that way in one device call.
+
 `--model DIR --generations FILE[,FILE...]` measures the engine on a real target and the rows of
 real `generations` shards instead (the model loaded as the extraction job loads it, one warm-up
 forward, then the engine with files written): the reference that `eagle3 run`'s per-shard
@@ -47,10 +53,20 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+JSON_PATH: list[Path] = []  # --json: rewritten after every row, so a run cut by its time limit keeps what it measured
+
+
+def save_json() -> None:
+    if JSON_PATH:
+        JSON_PATH[0].parent.mkdir(parents=True, exist_ok=True)
+        JSON_PATH[0].write_text(json.dumps(RESULTS, indent=2))
+
+
 def row(name: str, tok_s: float, note: str = "") -> None:
     ROWS.append((name, tok_s, note))
     RESULTS[name] = {"tokens_per_s": tok_s, "note": note}
     log(f"  -> {name}: {tok_s:,.0f} tok/s {note}")
+    save_json()
 
 
 def sync(dev):
@@ -469,6 +485,8 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     out = Path(args.out_dir)
     RESULTS["args"] = vars(args)
+    if args.json:
+        JSON_PATH.append(Path(args.json))
     RESULTS["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
@@ -481,6 +499,7 @@ def main() -> None:
     if moe and args.fp32_slice:
         RESULTS["fp32_slice"] = slice_check(args.arch, dev, tiny=args.tiny)
         log(f"4-layer slice: {json.dumps(RESULTS['fp32_slice'])}")
+        save_json()
     model = build_model(args.tiny, dev, args.arch)
     base = model.model
     n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
@@ -579,6 +598,7 @@ def main() -> None:
 
     if moe and args.int4:
         RESULTS["int4"] = int4_variant(base, samples, aux_ids, args, dev, out, meta)
+        save_json()
 
     if args.load_test:
         lt = load_test(model, out / "ckpt", dev)

@@ -53,7 +53,8 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     order = torch.argsort(flat, stable=True)  # each expert's rows contiguous, in token order
     rows = order // k
     xs = x[rows]
-    counts = torch.bincount(flat, minlength=num)
+    # rows per expert without a host sync (bincount on CUDA reads the max back first)
+    counts = torch.zeros(num, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     chunk = getattr(experts, "experts_per_chunk", num) or num
     grouped = moe_path(x.device, x.dtype) == "grouped_mm"
     if grouped and chunk >= num:

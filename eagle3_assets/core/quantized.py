@@ -73,12 +73,13 @@ class Int4Group:
         (a leading dimension stacks experts). q * scale is exact in float32 and rounded once to
         bf16, as compressed-tensors' bf16 product is."""
         packed, scale = t["weight_packed"], t["weight_scale"]
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-        q = ((packed[..., None] >> shifts) & 15).to(torch.int8) - 8  # [..., out, in/8, 8]
         *lead, out_f, cols = packed.shape
         in_f = cols * 8
-        groups = in_f // self.group_size
-        w = q.view(*lead, out_f, groups, self.group_size).to(dtype) * scale.to(dtype)[..., None]
+        # Byte j of a little-endian int32 holds values 2j (low nibble) and 2j+1: unpacking bytes
+        # moves a quarter of the bytes that shifting whole int32s would.
+        b = packed.contiguous().view(torch.uint8)
+        q = torch.stack((b & 15, b >> 4), dim=-1).view(torch.int8) - 8  # [..., out, in/2, 2]
+        w = q.view(*lead, out_f, in_f // self.group_size, self.group_size).to(dtype) * scale.to(dtype)[..., None]
         return w.view(*lead, out_f, in_f)
 
     def param_shapes(self, out_f: int, in_f: int, scale_dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
