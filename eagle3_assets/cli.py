@@ -250,7 +250,11 @@ def cmd_plan(args) -> int:
     settings = load_settings(settings_path_from_env())
     result = plan_from_settings(settings, history(_instance()), args.tokens_per_s)
     if getattr(args, "gpus", None):
-        result["gpu_plan"] = gpu_plan_from_settings(settings, result, args.gpus, args.gpu_memory_gb * 1e9)
+        try:
+            result["gpu_plan"] = gpu_plan_from_settings(settings, result, args.gpus, args.gpu_memory_gb * 1e9)
+        except ValueError as e:  # not an MoE target, or a checkpoint we cannot size
+            print(f"eagle3 plan --gpus: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -224,3 +224,18 @@ def test_experts_quantized_in_memory_equal_the_checkpoint_route(scheme, tmp_path
     assert rel(gate_up, ref.gate_up_proj) < (0.12 if isinstance(scheme, Int4Group) else 0.04)
     assert rel(down, ref.down_proj) < (0.12 if isinstance(scheme, Int4Group) else 0.04)
     assert lean_supported(base)
+
+
+@pytest.mark.parametrize("case", ["int4_deepseek_v3", "fp8_deepseek_v3"])
+def test_the_padded_batch_fallback_runs_quantized_modules_too(checkpoints, case, tmp_path):
+    """transformers' own forward (what families without a packed forward run) calls the quantized
+    projections and experts as modules: the same files as the dequantized model's."""
+    from eagle3_assets.core.extract_engine import extract_samples
+
+    qdir, ref_dir = checkpoints[case]
+    gens = write_generations(tmp_path / "gens.parquet", n=4, seed=9)
+    samples = [(r["row_id"], r["input_ids"], r["loss_mask"]) for r in gens.iter_rows(named=True)]
+    extract_samples(load_model(qdir, "float32", "cpu", base_only=True), samples, tmp_path / "shard",
+                    aux_layer_ids=LAYER_IDS, dtype=torch.float32, batch_tokens=120, writer_threads=2,
+                    metadata={"format_version": "1"}, lean=False)
+    assert_files_equal_transformers(ref_dir, tmp_path / "gens.parquet", tmp_path / "shard")
