@@ -7,8 +7,8 @@ top-k over `n_group` groups keeping `topk_group`, weights renormalized and times
 `routed_scaling_factor`), so the choice and the weights are exactly the model's. The routed
 rows are sorted by expert (stable), so each expert's rows are contiguous: on CUDA in bf16 one
 grouped GEMM (torch's `grouped_mm`) per projection runs every expert, else one matmul per expert
-that got rows (the reference, and what the CPU runs). Each row is weighted and summed back
-per token in the same order as transformers' experts loop. Quantized experts
+that got rows (the reference, and what the CPU runs). Each token's k rows are summed with its
+weights by one batched matmul (deterministic, float32 accumulation). Quantized experts
 (`quantized.QuantExperts`) are dequantized `experts_per_chunk` experts at a time, just
 before their GEMMs.
 """
@@ -51,8 +51,7 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     num = experts.num_experts
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # each expert's rows contiguous, in token order
-    rows = order // k
-    xs = x[rows]
+    xs = x[order // k]
     # rows per expert without a host sync (bincount on CUDA reads the max back first)
     counts = torch.zeros(num, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     chunk = getattr(experts, "experts_per_chunk", num) or num
@@ -78,10 +77,14 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                     continue
                 g, u = F.linear(xs[s:t], gate_up[e - e0]).chunk(2, dim=-1)
                 out[s:t] = F.linear(F.silu(g) * u, down[e - e0])
-    # transformers weights each row in the product's dtype (float32 weights promote) and adds it
-    # back in the hidden states' dtype.
-    weighted = (out * top_k_weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, weighted)
+    # Back in (token, k) order, each token's k rows summed with its weights by one batched matmul:
+    # deterministic (no atomic adds) and accumulated in float32 inside the GEMM, rounded once, as
+    # transformers' grouped_mm experts sum them; the weights are rounded to the rows' dtype (bf16:
+    # 2^-9, the rows' own rounding) so that no float32 copy of the [N*k, H] rows is made.
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    y = torch.bmm(top_k_weights.to(out.dtype).view(n, 1, k), unsorted.view(n, k, -1))
+    return y.view(n, -1).to(x.dtype)
 
 
 def _grouped_chunk(experts, xs, counts, e0: int, e1: int, dtype) -> torch.Tensor:
