@@ -247,9 +247,41 @@ def cmd_plan(args) -> int:
     from .core.plan import format_plan
     from .settings import load_settings, settings_path_from_env
 
-    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    settings = load_settings(settings_path_from_env())
+    result = plan_from_settings(settings, history(_instance()), args.tokens_per_s)
+    if getattr(args, "gpus", None):
+        try:
+            result["gpu_plan"] = gpu_plan_from_settings(settings, result, args.gpus, args.gpu_memory_gb * 1e9)
+        except ValueError as e:  # not an MoE target, or a checkpoint we cannot size
+            print(f"eagle3 plan --gpus: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from .core.plan import format_gpu_plan
+
+        print(format_plan(result) + ("\n" + format_gpu_plan(result["gpu_plan"]) if "gpu_plan" in result else ""))
     return 0
+
+
+def gpu_plan_from_settings(settings, plan_result: dict, gpus: int, gpu_bytes: float) -> dict:
+    """Memory per GPU and the rate of an MoE target over `gpus` GPUs (`core.plan.gpu_plan`), from the
+    target's config and the bytes of its checkpoint as stored (INT4, FP8 or bf16)."""
+    from transformers import AutoConfig
+
+    from .checks import sample_layout
+    from .core import plan
+    from .core.quantized import checkpoint_tensor_bytes
+    from .core.sample_files import STORAGES, TEACHERS, SampleLayout
+    from .core.target import resolve_target
+
+    model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    chosen = sample_layout(settings, config.hidden_size)
+    layouts = [SampleLayout(chosen.hidden_size, chosen.dtype, s, t, chosen.topk) for s in STORAGES for t in TEACHERS]
+    total = plan_result["total"]
+    return plan.gpu_plan(config, checkpoint_tensor_bytes(model_dir), gpus, layouts,
+                         total["tokens"] / max(total["samples"], 1), gpu_bytes=gpu_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     pl_.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
     pl_.add_argument("--json", action="store_true")
     pl_.add_argument("--tokens-per-s", type=float, help="extraction rate to plan with (default: the last measured one)")
+    pl_.add_argument("--gpus", type=int, help="an MoE target over this many GPUs: memory per GPU, the pack that fits, a rate")
+    pl_.add_argument("--gpu-memory-gb", type=float, default=141.0, help="memory of one GPU (default: an H200's 141 GB)")
     pl_.set_defaults(func=cmd_plan)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")

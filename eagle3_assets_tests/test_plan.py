@@ -161,3 +161,64 @@ def test_eagle3_plan_command_prints_json_and_a_table(tmp_path, monkeypatch, caps
     assert main(["plan"]) == 0
     table = capsys.readouterr().out
     assert "fp8/last_hidden" in table and "rows_00010-00020" in table and "disk ceiling" in table
+
+
+def kimi_k2_config():
+    """Kimi-K2's text model (its config.json; Kimi-K2.5's text model has the same shape): DeepSeek-V3's
+    architecture, 61 layers, hidden 7,168, 384 routed experts of which 8 per token, one shared."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=163840, hidden_size=KIMI_HIDDEN, intermediate_size=18432, moe_intermediate_size=2048,
+                            num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+                            n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536,
+                            qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+                            num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
+                            max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def test_gpu_plan_for_kimi_k25_int4_on_8_h200(capsys):
+    """The reference run on paper: Kimi-K2.5 in INT4 (Kimi's compressed-tensors experts, the rest bf16)
+    over 8 H200s, experts split 48 per GPU, everything else on each."""
+    from eagle3_assets.core.plan import MEASURED_MOE, active_params, format_gpu_plan, gpu_plan, measured_moe_config
+    from eagle3_assets.core.quantized import Int4Group, predict_checkpoint_bytes
+    from eagle3_assets.core.sample_files import STORAGES, TEACHERS
+
+    kimi = kimi_k2_config()
+    int4 = predict_checkpoint_bytes(kimi, Int4Group(32))
+    bf16 = predict_checkpoint_bytes(kimi, None)
+    # INT4 experts: 0.5 B per weight + a bf16 scale per 32 = 0.5625 B; about 0.6 TB against about 2 TB in bf16.
+    assert int4["routed_experts"] == 60 * 384 * 3 * (7168 * 2048 * 9 // 16 + 8)
+    assert round(int4["total"] / 1e9, 1) == 594.2 and round(bf16["total"] / 1e9, 1) == 2052.8
+    layouts = [SampleLayout(KIMI_HIDDEN, torch.bfloat16, s, t, 64) for s in STORAGES for t in TEACHERS]
+    g = gpu_plan(kimi, int4, 8, layouts, KIMI_TOKENS / KIMI_SAMPLES)
+    assert g["weights"]["experts_per_gpu"] == 48
+    assert round(g["weights_bytes"] / 1e9, 2) == 92.44  # 71.35 experts + 18.75 attention, dense and shared + 2.35 embeddings
+    assert round(g["dequant_staging_bytes"] / 1e9, 2) == 4.23  # 48 experts' gate, up and down in bf16
+    assert g["activation_bytes_per_token"]["total"] == 594_432
+    assert g["pack_tokens"] == 50_176  # (0.9 x 141 GB - 92.44 - 4.23) / 594,432 B, in whole 1,024s
+    assert round(g["host_staging_bytes"]["bf16/last_hidden"] / 1e9, 1) == 8.6
+    # The rate: the measured one-GPU DeepSeek-V3-shape rate, scaled by active parameters per token (2.51B of the
+    # measured shape, the benchmark's 3.18B less its embeddings and head; 30.51B for Kimi-K2), times 8 GPUs.
+    ref = measured_moe_config()
+    assert round((active_params(ref)["total"] + 2 * 163840 * 2048) / 1e9, 2) == 3.18
+    assert round(active_params(kimi)["total"] / 1e9, 2) == 30.51
+    assert round(g["forward_tokens_per_s"]) == 30_203 and round(g["files_tokens_per_s_per_gpu"]) == 1_937
+    assert MEASURED_MOE["forward_tokens_per_s"] == 45_880 and "REFERENCE.md" in g["rate_source"]
+    by = {lay["layout"]: lay for lay in g["layouts"]}
+    assert round(by["bf16/last_hidden"]["bytes_per_sample"] / 1e6, 1) == 120.6  # the reference run: 83 MB/sample
+    assert round(by["fp8/topk64"]["bytes_per_sample"] / 1e6, 1) == 45.8
+    assert round(by["bf16/last_hidden"]["disk_ceiling_tokens_per_s"]) == 22_668
+    assert round(by["fp8/topk64"]["tokens_per_s"]) == 15_499  # with files: 4.9x the reference run's 3,161 tok/s
+    with capsys.disabled():
+        print("\n" + format_gpu_plan(g))
+
+
+def test_the_measured_shape_is_the_benchmarks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extract_throughput", ROOT / "benchmarks" / "extract_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from eagle3_assets.core.plan import MEASURED_MOE, measured_moe_config
+
+    assert bench.moe_config(MEASURED_MOE["arch"], tiny=False).to_dict() == measured_moe_config().to_dict()

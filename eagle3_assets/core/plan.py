@@ -19,12 +19,14 @@ with no history, the disk ceiling measured on the H200 (a lower bound on the tim
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import polars as pl
+import torch
 
 from .layout import Layout
 from .sample_files import MANIFEST, STORAGES, TEACHERS, SampleLayout
@@ -202,3 +204,167 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+# ---------------------------------------------------------------------------------------------
+# The target on GPUs: memory per GPU, the pack that fits, and a rate, before anything loads
+
+H200_BYTES = 141e9  # NVIDIA's H200 specification: 141 GB of HBM3e
+RESERVE_FRACTION = 0.10  # CUDA context, allocator fragmentation, kernels' workspaces: kept free
+
+# The one-GPU MoE rates of issue 21 (REFERENCE.md, "Measured 2026-12-04 on one H200"):
+# benchmarks/extract_throughput.py --arch deepseek_v3, random bf16 weights, 48 samples of 256-2,048
+# tokens. Replace them with a newer measurement of the same benchmark when there is one.
+MEASURED_MOE = {
+    "source": "issue 21 / REFERENCE.md 2026-12-04: benchmarks/extract_throughput.py --arch deepseek_v3 on one H200 "
+              "(bf16, random weights, 48 samples of 256-2,048 tokens)",
+    "forward_tokens_per_s": 45_880,
+    "files_tokens_per_s": 23_544,
+    "arch": "deepseek_v3",  # the shape measured: benchmarks/extract_throughput.py moe_config("deepseek_v3")
+}
+
+
+def measured_moe_config():
+    """The DeepSeek-V3-architecture shape whose one-GPU rate is `MEASURED_MOE` (the benchmark's
+    `moe_config("deepseek_v3")`: 23.0B parameters; a test keeps the two the same)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                            num_attention_heads=16, num_key_value_heads=16, n_routed_experts=96, num_experts_per_tok=8,
+                            n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                            vocab_size=163840, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def active_params(config) -> dict[str, float]:
+    """Parameters a token passes through in the base model (no embeddings, no LM head), by part:
+    attention, dense MLPs, shared experts, the router, and the routed experts at top-k / experts."""
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 1
+    parts = {"attention": 0.0, "dense_mlp": 0.0, "shared_experts": 0.0, "router": 0.0, "routed_experts": 0.0, "norms": 0.0}
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        key = ("routed_experts" if ".mlp.experts." in name else "shared_experts" if "shared_expert" in name else
+               "router" if ".mlp.gate." in name or name.endswith("mlp.gate.weight") else
+               "attention" if "self_attn" in name and "norm" not in name else
+               "norms" if "norm" in name else "dense_mlp")
+        parts[key] += p.numel() * (config.num_experts_per_tok / experts if key == "routed_experts" else 1.0)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def activation_bytes_per_token(config, dtype_bytes: int = 2, aux_layers: int = 3) -> dict[str, int]:
+    """Device bytes per token of a pack in the packed forward, by what holds them at the peak (one
+    layer at a time: nothing is cached across layers): the kept outputs (aux and last hidden
+    states, the residual), then the larger of the attention's and the MoE's transients. `kv` is
+    the attention's keys and values of one layer (MLA decompressed to full heads; FlashAttention
+    pads MLA's narrower value heads to the key width)."""
+    h, d = config.hidden_size, dtype_bytes
+    heads = config.num_attention_heads
+    kept = (aux_layers + 1) * h + 3 * h  # the outputs kept for the files; residual, normed input, a layer output
+    if getattr(config, "kv_lora_rank", None) is not None:
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        kv = heads * qk + heads * qk  # keys, values padded to the key width
+        attention = (getattr(config, "q_lora_rank", None) or 0) + heads * qk + heads * (
+            config.qk_nope_head_dim + config.v_head_dim) + kv + heads * config.v_head_dim + config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        hd = getattr(config, "head_dim", None) or h // heads
+        kv = 2 * config.num_key_value_heads * hd
+        attention = heads * hd + kv + heads * hd
+    k = config.num_experts_per_tok
+    inter = config.moe_intermediate_size
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    # routed rows, their gate_up, the activation and its product, the expert outputs, weighted; router in float32
+    moe = k * h + k * 2 * inter + 2 * k * inter + 2 * k * h + h
+    router = 3 * experts * 4 // d
+    return {"kept": kept * d, "kv": kv * d, "attention": attention * d, "moe": (moe + router) * d,
+            "total": (kept + max(attention, moe + router)) * d}
+
+
+def gpu_plan(config, checkpoint: dict[str, int], gpus: int, layouts: list[SampleLayout], mean_tokens_per_sample: float,
+             gpu_bytes: float = H200_BYTES, staging_buffers: int = 3, experts_per_chunk: int | None = None,
+             measured: dict = MEASURED_MOE, reference_config=None) -> dict:
+    """Per GPU, for a target of `config` whose checkpoint holds `checkpoint` bytes
+    (`quantized.checkpoint_tensor_bytes` of the folder, or `predict_checkpoint_bytes` before
+    download), spread over `gpus` GPUs with its routed experts split between them (expert parallel)
+    and everything else of the base model on each (the LM head is not loaded: the files hold hidden
+    states): memory of the weights, of the experts dequantized for one MoE call, of activations and
+    KV per pack token; the pack size that fits; the host staging buffers; the rate, scaled from a
+    measured one-GPU MoE rate by active parameters per token; the bytes per sample of each layout.
+
+    The rate is an estimate: active parameters stand for FLOPs (attention's context cost is left
+    out), and the exchange of routed rows between GPUs is taken as free: an upper bound, then
+    capped by the disk ceiling of the chosen layout (one node's disk for all GPUs)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    if not experts:
+        raise ValueError("gpu_plan is for MoE targets (Qwen3-MoE, DeepSeek-V3, Kimi-K2): no routed experts in the config")
+    local = math.ceil(experts / gpus)
+    # embeddings and LM head are the same size; the base model loads the embeddings only
+    embeddings = checkpoint["embeddings_and_head"] / (1 if config.tie_word_embeddings else 2)
+    weights = checkpoint["routed_experts"] / gpus + checkpoint["other"] + embeddings
+    chunk = min(experts_per_chunk or local, local)
+    dequant = chunk * 3 * config.hidden_size * config.moe_intermediate_size * 2  # bf16 gate, up, down of a chunk
+    act = activation_bytes_per_token(config, aux_layers=layouts[0].aux_layers if layouts else 3)
+    free = gpu_bytes * (1 - RESERVE_FRACTION) - weights - dequant
+    pack = int(free // act["total"]) // 1024 * 1024 if free > 0 else 0
+    ref_active = active_params(reference_config or measured_moe_config())["total"]
+    target_active = active_params(config)["total"]
+    per_gpu_forward = measured["forward_tokens_per_s"] * ref_active / target_active
+    per_gpu_files = measured["files_tokens_per_s"] * ref_active / target_active
+    out_layouts = []
+    for lay in layouts:
+        disk = DISK_CEILING_BYTES_PER_S / lay.bytes_per_token()
+        out_layouts.append({"layout": lay.name, "bytes_per_token": lay.bytes_per_token(),
+                            "bytes_per_sample": lay.predict_bytes(round(mean_tokens_per_sample), 1),
+                            "disk_ceiling_tokens_per_s": disk,
+                            "tokens_per_s": min(per_gpu_files * gpus, disk)})
+    return {
+        "gpus": gpus, "gpu_bytes": gpu_bytes, "reserve_fraction": RESERVE_FRACTION,
+        "checkpoint_bytes": checkpoint["total"],
+        "weights_bytes": weights,
+        "weights": {"routed_experts_share": checkpoint["routed_experts"] / gpus, "other": checkpoint["other"],
+                    "embeddings": embeddings, "experts_per_gpu": local},
+        "dequant_staging_bytes": dequant, "experts_per_chunk": chunk,
+        "activation_bytes_per_token": act,
+        "pack_tokens": pack,
+        "pack_bytes": pack * act["total"],
+        "kv_bytes_per_pack": pack * act["kv"],
+        "host_staging_bytes": {lay.name: staging_buffers * pack * lay.bytes_per_token() for lay in layouts},
+        "staging_buffers": staging_buffers,
+        "active_params": target_active, "reference_active_params": ref_active,
+        "forward_tokens_per_s_per_gpu": per_gpu_forward, "files_tokens_per_s_per_gpu": per_gpu_files,
+        "forward_tokens_per_s": per_gpu_forward * gpus,
+        "rate_source": f"{measured['source']}: {measured['forward_tokens_per_s']:,} tok/s forward, "
+                       f"{measured['files_tokens_per_s']:,} with files, x {ref_active / 1e9:.2f}B / {target_active / 1e9:.2f}B "
+                       f"active parameters per token, x {gpus} GPUs (exchange between GPUs taken as free)",
+        "mean_tokens_per_sample": mean_tokens_per_sample,
+        "layouts": out_layouts,
+    }
+
+
+def format_gpu_plan(g: dict) -> str:
+    """`gpu_plan` as the lines `eagle3 plan --gpus N` prints."""
+    gb = 1e9
+    w = g["weights"]
+    act = g["activation_bytes_per_token"]
+    lines = [f"on {g['gpus']} GPUs of {g['gpu_bytes'] / gb:,.0f} GB ({g['reserve_fraction']:.0%} kept free), per GPU:",
+             f"  weights {g['weights_bytes'] / gb:,.1f} GB: routed experts {w['routed_experts_share'] / gb:,.1f} GB "
+             f"({w['experts_per_gpu']} experts each) + the rest {w['other'] / gb:,.1f} GB + embeddings {w['embeddings'] / gb:,.1f} GB "
+             f"(checkpoint {g['checkpoint_bytes'] / gb:,.1f} GB, as stored)",
+             f"  experts dequantized for one MoE call: {g['dequant_staging_bytes'] / gb:,.2f} GB ({g['experts_per_chunk']} experts in bf16)",
+             f"  pack that fits: {g['pack_tokens']:,} tokens: activations {g['pack_bytes'] / gb:,.1f} GB "
+             f"({act['total']:,} B/token), of which a layer's keys and values {g['kv_bytes_per_pack'] / gb:,.2f} GB",
+             f"  host staging ({g['staging_buffers']} pinned buffers of a pack): "
+             + ", ".join(f"{k} {v / gb:,.1f} GB" for k, v in g["host_staging_bytes"].items()),
+             f"  rate: {g['forward_tokens_per_s_per_gpu']:,.0f} tok/s forward, {g['files_tokens_per_s_per_gpu']:,.0f} with files "
+             f"per GPU; {g['forward_tokens_per_s']:,.0f} forward on {g['gpus']} GPUs ({g['rate_source']})",
+             f"  per sample ({g['mean_tokens_per_sample']:,.0f} tokens on average), and the rate with files on "
+             f"{g['gpus']} GPUs capped by the disk:"]
+    for lay in g["layouts"]:
+        lines.append(f"    {lay['layout']:<18} {lay['bytes_per_sample'] / 1e6:>8,.1f} MB/sample "
+                     f"{lay['tokens_per_s']:>10,.0f} tok/s (disk ceiling {lay['disk_ceiling_tokens_per_s']:,.0f})")
+    return "\n".join(lines)

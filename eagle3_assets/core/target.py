@@ -149,12 +149,38 @@ def load_model(
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if base_only and quantization_of(model_dir) is not None:
+        # INT4 (Kimi-K2) and FP8 (DeepSeek-V3) checkpoints stay quantized in memory (`quantized.py`).
+        from .quantized import load_quantized_base
+
+        if tensor_parallel:
+            raise TargetModelError(f"{model_dir} is a quantized checkpoint ({quantization_of(model_dir)}): it loads "
+                                   "quantized on one device per process (parallel: data), not under tensor parallelism")
+        return load_quantized_base(model_dir, torch_dtype, pick_device(device))
     cls = AutoModel if base_only else AutoModelForCausalLM
     if tensor_parallel:
         return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
     dev = pick_device(device)
     model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
     return model.eval().to(dev)
+
+
+def quantization_of(model_dir) -> str | None:
+    """The name of a checkpoint's quantization format that we load ourselves (`quantized.scheme_of`:
+    Kimi-K2's INT4, DeepSeek-V3's FP8), None for a plain checkpoint or another format (left to
+    transformers' own quantizers, with no packed forward)."""
+    import json
+
+    from .quantized import QuantizedCheckpointError, scheme_of
+
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        scheme = scheme_of(json.loads(config.read_text()).get("quantization_config"))
+    except QuantizedCheckpointError:
+        return None
+    return None if scheme is None else scheme.name
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
