@@ -62,7 +62,9 @@ class TrainConfig:
     # Training seconds in all (over every run of a resumed training); the cosine schedule ends
     # fully decayed at whichever of max_steps and the budget comes first.
     time_budget_s: PositiveFloat | None = None
-    batch_tokens: PositiveInt = 8192  # max padded tokens per batch (B * T_max) and rank
+    # Tokens per batch and rank: real tokens of one packed row, or with attention "padded" the
+    # padded size B * T_max.
+    batch_tokens: PositiveInt = 8192
     grad_clip: PositiveFloat = 0.5
     weight_decay: NonNegativeFloat = 0.0
     seed: int = 0
@@ -76,6 +78,15 @@ class TrainConfig:
     log_every: PositiveInt = 10
     acc_window: PositiveInt = 50  # per-step accuracy is measured over the last this many batches
     checkpoint_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # How a batch is trained: samples packed into one row, TTT attention without a score matrix
+    # ("flash": FlashAttention varlen, CUDA; "math": per sample in float32, the reference) and a
+    # chunked LM head + loss; "auto": flash on CUDA, math elsewhere. "padded": the first
+    # implementation (right-padded rows, the full score matrix, [B, T, V] logits per step).
+    attention: Literal["auto", "flash", "math", "padded"] = "auto"
+    loss_chunk_tokens: PositiveInt = 4096  # tokens per chunk of the fused LM head + loss
+    # Training seconds (over all runs) at which a copy of the drafter is written to
+    # <out_dir>/snapshots/t<seconds>/, for tau against training time.
+    snapshot_at_s: list[PositiveFloat] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,25 @@ class TrainJob:
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random) -> list[list[SampleRef]]:
+def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random,
+               packed: bool = False) -> list[list[SampleRef]]:
     """Shuffle, then sort within pools of ~64 batches by length and cut batches whose padded
     size (count * longest) stays within batch_tokens; the batch order is shuffled again.
-    Sorting only within a pool keeps batches similar in length without a fixed order."""
+    Sorting only within a pool keeps batches similar in length without a fixed order.
+    `packed`: batches are cut from the shuffled order by real tokens (a packed row has no
+    padding, so lengths need not be alike)."""
     order = refs[:]
     rng.shuffle(order)
+    if packed:
+        batches, batch, tokens = [], [], 0
+        for ref in order:
+            length = _capped(ref.tokens, max_length)
+            if batch and tokens + length > batch_tokens:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(ref)
+            tokens += length
+        return batches + ([batch] if batch else [])
     mean_len = sum(_capped(r.tokens, max_length) for r in refs) / len(refs)
     pool_size = max(1, int(64 * batch_tokens / max(mean_len, 1)))
     batches = []
@@ -128,10 +152,11 @@ def _capped(tokens: int, max_length: int | None) -> int:
     return tokens if max_length is None else min(tokens, max_length)
 
 
-def load_batch(batch: list[SampleRef], max_length: int | None) -> dict[str, torch.Tensor]:
-    """Read a batch from disk (as stored: fp8 stays fp8 until the device) and right-pad it;
-    `lengths` gives each sample's true length."""
-    return pad_batch([read_sample_slices(ref.path, max_length, dequantize=False) for ref in batch])
+def load_batch(batch: list[SampleRef], max_length: int | None, packed: bool = False) -> dict[str, torch.Tensor]:
+    """Read a batch from disk (as stored: fp8 stays fp8 until the device) and right-pad it, or
+    pack it into one row; `lengths` gives each sample's true length."""
+    samples = [read_sample_slices(ref.path, max_length, dequantize=False) for ref in batch]
+    return pack_batch(samples) if packed else pad_batch(samples)
 
 
 def batches_forever(
@@ -144,10 +169,11 @@ def batches_forever(
     batches, and a resumed run skips the batches it already trained on (planning reads no file)."""
     rng = random.Random(cfg.seed)
     index = 0
+    packed = cfg.attention != "padded"
     while True:
-        for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng):
+        for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng, packed):
             if index >= start_step * world and index % world == rank:
-                yield load_batch(batch, cfg.max_length) if cache is None else _batch_from_cache(batch, cache)
+                yield load_batch(batch, cfg.max_length, packed) if cache is None else _batch_from_cache(batch, cache, packed)
             index += 1
 
 
@@ -157,8 +183,19 @@ def preload_samples(refs: list[SampleRef], max_length: int | None, device: torch
             for ref in refs}
 
 
-def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
-    return pad_batch([cache[ref.path] for ref in batch])
+def _batch_from_cache(batch: list[SampleRef], cache: dict, packed: bool = False) -> dict[str, torch.Tensor]:
+    samples = [cache[ref.path] for ref in batch]
+    return pack_batch(samples) if packed else pad_batch(samples)
+
+
+def pack_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row ([N, ...], no padding) on their device; `lengths` (on
+    the CPU) gives each sample's length, from which the bounds and positions are made."""
+    as_index = {"input_ids", "loss_mask", "topk_ids"}
+    out = {key: torch.cat([s[key] for s in samples]) for key in samples[0]}
+    out = {key: v.long() if key in as_index else v for key, v in out.items()}
+    out["lengths"] = torch.tensor([s["input_ids"].shape[0] for s in samples])
+    return out
 
 
 def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -305,6 +342,131 @@ def ttt_loss(
     return total, losses, torch.stack(tallies)
 
 
+# ---------------------------------------------------------------------------------------------
+# Loss on a packed row: a fused, chunked LM head + soft cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedTeacher:
+    """The target's distribution over the draft vocabulary on a packed row, kept compact: the
+    draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
+    its float32 softmax), or the stored top-k; `probs` makes float32 rows a chunk at a time.
+    `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token."""
+
+    def __init__(self, in_draft: torch.Tensor, logits: torch.Tensor | None = None,
+                 topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0):
+        self.in_draft, self.logits, self.topk, self.draft_vocab_size = in_draft, logits, topk, draft_vocab_size
+        self.rows = in_draft.shape[0]
+
+    def probs(self, start: int, stop: int) -> torch.Tensor:
+        """p for rows start..stop-1 (rows past the end repeat the last: their weight is zero)."""
+        index = torch.arange(start, stop, device=self.in_draft.device).clamp_(max=self.rows - 1)
+        if self.logits is not None:
+            return torch.softmax(self.logits.index_select(0, index).float(), dim=-1)
+        ids, logprobs = self.topk
+        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size)
+
+
+@torch.no_grad()
+def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
+                   chunk_tokens: int = 1024) -> PackedTeacher:
+    """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V]."""
+    if "last_hidden_state" in batch:
+        flat = batch["last_hidden_state"].to(lm_head.dtype)
+        draft_head = lm_head[t2d]
+        logits, in_draft = [], []
+        for start in range(0, flat.shape[0], chunk_tokens):
+            h = flat[start : start + chunk_tokens]
+            in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
+            logits.append(h @ draft_head.T)
+        return PackedTeacher(torch.cat(in_draft), logits=torch.cat(logits))
+    if "topk_ids" in batch:
+        return PackedTeacher(batch["target_in_draft"].bool(), topk=(batch["topk_ids"], batch["topk_logprobs"]),
+                             draft_vocab_size=draft_vocab_size)
+    raise KeyError(f"the batch holds no teacher (last_hidden_state or topk_ids): keys {sorted(batch)}")
+
+
+class ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
+    of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole.
+    Row t is fitted to the teacher's row t + shift. Backward recomputes each chunk's logits:
+    dz = (softmax(z) - p) * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden.
+    Also returns, without gradient, whether each row's argmax equals the teacher's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, shift: int, chunk: int):
+        N = hidden.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        agree = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        for a in range(0, N, chunk):
+            b = min(a + chunk, N)
+            z = (hidden[a:b] @ weight.T).float()
+            p = teacher.probs(a + shift, b + shift)
+            lse[a:b] = torch.logsumexp(z, dim=-1)
+            # -sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1
+            loss = loss + (row_weights[a:b] * (lse[a:b] - (p * z).sum(-1))).sum()
+            agree[a:b] = z.argmax(-1) == p.argmax(-1)
+        ctx.save_for_backward(hidden, weight, row_weights, lse)
+        ctx.teacher, ctx.shift, ctx.chunk = teacher, shift, chunk
+        ctx.mark_non_differentiable(agree)
+        return loss, agree
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_agree):
+        hidden, weight, row_weights, lse = ctx.saved_tensors
+        N = hidden.shape[0]
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for a in range(0, N, ctx.chunk):
+            b = min(a + ctx.chunk, N)
+            z = (hidden[a:b] @ weight.T).float()
+            p = ctx.teacher.probs(a + ctx.shift, b + ctx.shift)
+            dz = ((torch.exp(z - lse[a:b, None]) - p) * (row_weights[a:b] * grad_loss)[:, None]).to(hidden.dtype)
+            d_hidden[a:b] = dz @ weight
+            d_weight += (dz.T @ hidden[a:b]).float()
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
+
+
+def packed_ttt_loss(
+    step_hidden: list[torch.Tensor],
+    model: Eagle3Drafter,
+    teacher: PackedTeacher,
+    loss_mask: torch.Tensor,
+    sample_end: torch.Tensor,
+    loss_decay: float,
+    chunk_tokens: int = 4096,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """`ttt_loss` on a packed row, from each step's layer output [N, H] (pre-norm).
+
+    Step k at index t imitates the teacher at t+k+1, counted when token t+k+2 is an answer
+    token (loss_mask) AND lies in t's own sample (t+k+2 < sample_end[t]): the shifts run over
+    the whole row, and this mask is what keeps the next sample out (see
+    `Eagle3Drafter.ttt_forward_packed`). With the samples of a padded batch this is the padded
+    loss: the same positions, each averaged over the same count."""
+    N = loss_mask.shape[0]
+    index = torch.arange(N, device=loss_mask.device)
+    total = torch.zeros((), device=loss_mask.device)
+    weight = model.lm_head.weight.to(compute_dtype)
+    losses, tallies = [], []
+    for k, hidden in enumerate(step_hidden):
+        s = k + 1
+        counted = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
+        counted[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
+        counted &= index + s + 1 < sample_end
+        include = counted.clone()
+        include[: max(N - s, 0)] &= teacher.in_draft[s:]
+        count = counted.sum()
+        row_weights = include.float() / count.clamp(min=1)
+        loss, agree = ChunkedSoftCrossEntropy.apply(model.norm(hidden).to(compute_dtype), weight, row_weights,
+                                                    teacher, s, chunk_tokens)
+        total = total + loss_decay**k * loss
+        losses.append(loss.detach())
+        tallies.append(torch.stack(((agree & include).sum(), count)))
+    return total, losses, torch.stack(tallies)
+
+
 def window_accuracy(window) -> list[float]:
     """Per-step top-1 accuracy over a window of [steps, 2] tallies (summed, then divided)."""
     if not window:
@@ -402,7 +564,7 @@ def build_draft_model(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafte
 
 def plan_steps(cfg: TrainConfig, refs: list[SampleRef], world: int) -> tuple[int, int]:
     """(batches per epoch, optimizer steps): `max_steps`, else `epochs` passes over the data."""
-    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed)))
+    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), cfg.attention != "padded"))
     return batches, cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / world))
 
 
@@ -422,9 +584,21 @@ def build_data(refs: list[SampleRef], cfg: TrainConfig, dist: Dist, start_step: 
     return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world), preload_s
 
 
+def attention_impl(cfg: TrainConfig, device: torch.device) -> str:
+    """"padded", "flash" or "math" (see `TrainConfig.attention`)."""
+    if cfg.attention == "auto":
+        return "flash" if device.type == "cuda" else "math"
+    if cfg.attention == "flash" and device.type != "cuda":
+        raise ValueError(f"training.attention 'flash' needs a CUDA device (training on {device}); use 'auto' or 'math'")
+    return cfg.attention
+
+
 def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, batch: dict,
                 cfg: TrainConfig, device):
     """The TTT forward on one batch and its loss: (loss, per-step losses, per-step top-1 tallies)."""
+    impl = attention_impl(cfg, device)
+    if impl != "padded":
+        return run_forward_packed(model, target_head, t2d, draft_vocab_size, batch, cfg, device, impl)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
     batch = dequantize_features(batch)  # fp8 files: hidden states times their scales, here on the device
     # The target's distribution: lm_head(last hidden state), or the stored top-k.
@@ -432,6 +606,28 @@ def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         step_logits = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps)
     return ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
+
+
+def run_forward_packed(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, batch: dict,
+                       cfg: TrainConfig, device, impl: str):
+    """`run_forward` on a packed row (`pack_batch`): bounds and positions from the CPU lengths."""
+    lengths = batch["lengths"]
+    starts = torch.cumsum(lengths, 0) - lengths
+    cu_seqlens = torch.cat((starts, lengths.sum()[None])).to(torch.int32)
+    positions = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    sample_end = torch.repeat_interleave(starts + lengths, lengths)
+    geometry = {"cu_seqlens": cu_seqlens, "positions": positions, "sample_end": sample_end}
+    batch = {k: v.to(device, non_blocking=True) for k, v in {**batch, **geometry}.items() if k != "lengths"}
+    batch = dequantize_features(batch)
+    teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        step_hidden = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps,
+                            cu_seqlens=batch["cu_seqlens"], positions=batch["positions"], max_len=int(lengths.max()),
+                            attention=impl)
+        drafter = model.module if hasattr(model, "module") else model
+        return packed_ttt_loss(step_hidden, drafter, teacher, batch["loss_mask"], batch["sample_end"], cfg.loss_decay,
+                               cfg.loss_chunk_tokens, compute_dtype)
 
 
 def run_backward_and_update(loss: torch.Tensor, model, optimizer, lr: float, cfg: TrainConfig) -> torch.Tensor:

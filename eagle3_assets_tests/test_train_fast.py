@@ -1,0 +1,87 @@
+"""The packed trainer (one packed row, TTT attention without a score matrix, chunked LM head +
+loss) computes today's padded loss and gradients, in float32 on the CPU, and the snapshots
+for tau against training time."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from eagle3_assets.core.sample_files import quantize_fp8
+from eagle3_assets.core.train import TrainConfig, pack_batch, pad_batch, plan_epoch, run_forward
+from eagle3_assets_tests.test_drafter import AUX, DRAFT_VOCAB, make_drafter
+from eagle3_assets_tests.tiny import TINY_VOCAB
+
+LENGTHS = [9, 23, 4, 16, 2, 11]  # different lengths, one shorter than the TTT shift
+
+
+def make_samples(teacher: str, fp8: bool, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    samples = []
+    for n in LENGTHS:
+        s = {"input_ids": torch.randint(0, TINY_VOCAB, (n,), dtype=torch.int32),
+             "loss_mask": (torch.rand(n) > 0.25).to(torch.uint8)}
+        aux = torch.randn(n, 3 * 64)
+        if fp8:
+            s["aux_hidden_states"], s["aux_scales"] = quantize_fp8(aux, 3)
+        else:
+            s["aux_hidden_states"] = aux
+        if teacher == "last_hidden":
+            last = torch.randn(n, 64) * 3
+            if fp8:
+                s["last_hidden_state"], s["last_scale"] = quantize_fp8(last, 1)
+            else:
+                s["last_hidden_state"] = last
+        else:
+            k = 5
+            s["topk_ids"] = torch.stack([torch.randperm(DRAFT_VOCAB)[:k] for _ in range(n)]).to(torch.uint16)
+            s["topk_logprobs"] = torch.log_softmax(torch.randn(n, k) * 2, -1).sort(-1, descending=True)[0].half()
+            s["target_in_draft"] = (torch.rand(n) > 0.2).to(torch.uint8)
+        samples.append(s)
+    return samples
+
+
+def loss_and_grads(model, lm_head, samples, attention: str, **cfg):
+    cfg = TrainConfig(ttt_steps=4, loss_decay=0.8, attention=attention, **cfg)
+    batch = pad_batch(samples) if attention == "padded" else pack_batch(samples)
+    model.zero_grad(set_to_none=True)
+    loss, losses, tallies = run_forward(model, lm_head, model.t2d, DRAFT_VOCAB, batch, cfg, torch.device("cpu"))
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.item(), torch.stack(losses), tallies, grads
+
+
+@pytest.mark.parametrize("teacher,fp8", [("last_hidden", False), ("topk", False), ("last_hidden", True)])
+def test_packed_loss_and_gradients_equal_the_padded_path_in_float32(teacher, fp8):
+    model = make_drafter().train()
+    # Scale the weights up so that attention is far from uniform and the loss far from flat.
+    with torch.no_grad():
+        model.midlayer.self_attn.q_proj.weight.mul_(8)
+        model.midlayer.self_attn.k_proj.weight.mul_(8)
+    lm_head = torch.randn(TINY_VOCAB, 64)
+    samples = make_samples(teacher, fp8)
+    old = loss_and_grads(model, lm_head, samples, "padded")
+    # A small loss chunk: several chunks per step, the teacher's rows shifted across chunk bounds.
+    new = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
+    assert new[0] == pytest.approx(old[0], rel=1e-5, abs=1e-5)
+    assert torch.allclose(new[1], old[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(new[2], old[2]) and int(old[2][:, 1].sum()) > 0
+    for name, g in old[3].items():
+        assert g.abs().max() > 0, name  # every parameter takes part
+        assert torch.allclose(new[3][name], g, rtol=1e-5, atol=1e-5), (name, (new[3][name] - g).abs().max())
+
+
+def test_packed_plan_fills_batches_by_real_tokens():
+    import random
+
+    @dataclasses.dataclass
+    class Ref:
+        tokens: int
+
+    refs = [Ref(n) for n in [5, 40, 17, 3, 90, 22, 8, 64, 31, 12] * 3]
+    batches = plan_epoch(refs, batch_tokens=100, max_length=70, rng=random.Random(0), packed=True)
+    assert sorted(id(r) for b in batches for r in b) == sorted(id(r) for r in refs)
+    sizes = [sum(min(r.tokens, 70) for r in b) for b in batches]
+    assert all(s <= 100 for s in sizes)
+    # a batch is closed only when the next sample would not fit
+    assert all(sizes[i] + min(batches[i + 1][0].tokens, 70) > 100 for i in range(len(batches) - 1))
