@@ -85,3 +85,27 @@ def test_packed_plan_fills_batches_by_real_tokens():
     assert all(s <= 100 for s in sizes)
     # a batch is closed only when the next sample would not fit
     assert all(sizes[i] + min(batches[i + 1][0].tokens, 70) > 100 for i in range(len(batches) - 1))
+
+
+def test_snapshots_are_written_once_when_training_time_passes_them(tiny_target, tmp_path):
+    from eagle3_assets.core.drafter import load_checkpoint
+    from eagle3_assets.core.train import TrainJob, train_drafter
+    from eagle3_assets_tests.test_train_job import setup
+
+    params = setup(tiny_target, tmp_path)
+    cfg = TrainConfig(max_steps=3, batch_tokens=128, warmup_steps=1, ttt_steps=2, log_every=1000,
+                      snapshot_at_s=[1e6, 0.001], checkpoint_dtype="float32")
+    state = tmp_path / "state.pt"
+    # A run paused after its first step (its slot is 0 s), then the run that finishes it.
+    first = train_drafter(TrainJob(**params, config=cfg, state_path=str(state), stop_after_s=0.0), log=lambda m: None)
+    assert first["paused"] and first["steps"] == 1
+    [snap] = first["snapshots"]
+    path = tmp_path / "drafter" / "snapshots" / "t00000.001"
+    assert snap["path"] == str(path) and snap["step"] == 1 and snap["train_s"] >= 0.001
+    written = (path / "model.safetensors").stat().st_mtime_ns
+    model = load_checkpoint(path, torch.zeros(256, 64))
+    assert model.config.draft_vocab_size == 64
+    second = train_drafter(TrainJob(**params, config=cfg, state_path=str(state)), log=lambda m: None)
+    assert second["steps"] == 3 and second["snapshots"] == first["snapshots"]  # kept in the state, not rewritten
+    assert (path / "model.safetensors").stat().st_mtime_ns == written
+    assert [p.name for p in (tmp_path / "drafter" / "snapshots").iterdir()] == ["t00000.001"]

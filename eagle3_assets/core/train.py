@@ -648,6 +648,7 @@ class Progress:
     tokens_seen: int = 0
     loss_history: list[float] = field(default_factory=list)
     curve: list[dict] = field(default_factory=list)  # the logged points: step, time, loss, lr, accuracy
+    snapshots: list[dict] = field(default_factory=list)  # the copies written at snapshot_at_s: train_s, step, path
 
 
 def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
@@ -674,7 +675,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        progress = Progress(state["step"], state["tokens_seen"], state["loss_history"], state["curve"])
+        progress = Progress(state["step"], state["tokens_seen"], state["loss_history"], state["curve"],
+                            state.get("snapshots", []))
         trained_before_s = state["train_s"]
         torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the GPU
         log(f"train: resumed from {job.state_path} at step {progress.step} of {max_steps} "
@@ -728,6 +730,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
                     f"grad {float(grad_norm):.2f} | {progress.tokens_seen / elapsed:,.0f} tok/s")
             if job.state_path and dist.main and progress.step % cfg.save_every == 0 and progress.step < max_steps:
                 save_state()
+            if dist.main:
+                write_due_snapshots(model, job, progress, clock.trained_s, log)
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
@@ -753,6 +757,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         "paused": paused,
         "epochs": progress.step * dist.world / batches_per_epoch,
         "curve": progress.curve,
+        "snapshots": progress.snapshots,
         "preload_s": preload_s,
         "tokens_seen": progress.tokens_seen,
         "final_loss": progress.loss_history[-1] if progress.loss_history else float("nan"),
@@ -769,6 +774,21 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     }
 
 
+def write_due_snapshots(model, job: TrainJob, progress: Progress, trained_s: float, log) -> None:
+    """A checkpoint copy at each `snapshot_at_s` the training time (over all runs) has passed
+    and no run has written yet: <out_dir>/snapshots/t<seconds>/, the final checkpoint's writer
+    and dtype. A threshold passed by several at once gets one copy each (same weights)."""
+    done = {s["at_s"] for s in progress.snapshots}
+    for at_s in sorted(job.config.snapshot_at_s):
+        if at_s > trained_s or at_s in done:
+            continue
+        fraction = "" if float(at_s).is_integer() else f"{at_s % 1:.3f}"[1:]  # t00300, or t00000.500
+        path = Path(job.out_dir) / "snapshots" / f"t{int(at_s):05d}{fraction}"
+        save_checkpoint(model, path, dtype=getattr(torch, job.config.checkpoint_dtype))
+        progress.snapshots.append({"at_s": at_s, "train_s": round(trained_s, 2), "step": progress.step, "path": str(path)})
+        log(f"train: snapshot at {trained_s:.1f} s of training (step {progress.step}) in {path}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The resumable state
 # ---------------------------------------------------------------------------------------------
@@ -777,7 +797,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
 def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     """What a saved state was trained on; a state for other data or settings is not resumed.
     Knobs that do not change the trajectory (logging, saving, the time limits) are left out."""
-    ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
+    ignored = {"log_every", "save_every", "time_budget_s", "preload", "device", "snapshot_at_s", "loss_chunk_tokens"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
     with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
         files = [sorted(f.keys()), f.metadata() or {}]
@@ -790,7 +810,8 @@ def write_state(path, fingerprint: str, model, optimizer, progress: Progress, tr
     with atomic_path(path) as tmp:  # a killed save leaves the previous state intact
         torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "step": progress.step, "tokens_seen": progress.tokens_seen, "loss_history": progress.loss_history,
-                    "curve": progress.curve, "train_s": train_s, "rng": torch.get_rng_state()}, tmp)
+                    "curve": progress.curve, "snapshots": progress.snapshots, "train_s": train_s,
+                    "rng": torch.get_rng_state()}, tmp)
 
 
 def load_state(path, fingerprint: str, device):
