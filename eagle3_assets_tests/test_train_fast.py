@@ -109,3 +109,30 @@ def test_snapshots_are_written_once_when_training_time_passes_them(tiny_target, 
     assert second["steps"] == 3 and second["snapshots"] == first["snapshots"]  # kept in the state, not rewritten
     assert (path / "model.safetensors").stat().st_mtime_ns == written
     assert [p.name for p in (tmp_path / "drafter" / "snapshots").iterdir()] == ["t00000.001"]
+
+
+def ttt_attention_and_grads(impl: str, q, k, v, diag, lengths):
+    from eagle3_assets.core.drafter import PackedGeometry, TTTAttention
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    inputs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, *diag)]
+    out = TTTAttention.apply(inputs[0], inputs[1], inputs[2], PackedGeometry(cu, max(lengths), impl), 0.125, *inputs[3:])
+    torch.manual_seed(5)
+    out.backward(torch.randn_like(out))
+    return [out.float()] + [x.grad.float() for x in inputs]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention varlen needs CUDA")
+@pytest.mark.parametrize("steps", [0, 3])
+def test_flash_ttt_attention_equals_the_math_path_on_cuda(steps):
+    """The FlashAttention varlen prefix with the merged out/lse in its backward gives the float32
+    reference's output and gradients, to bf16 rounding (GQA: 9 heads on 3 key-value heads)."""
+    torch.manual_seed(0)
+    lengths, H, Hk, D = [300, 17, 1, 130, 64], 9, 3, 64
+    N = sum(lengths)
+    q, k, v = (torch.randn(N, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hk, Hk))
+    diag = [torch.randn(N, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2 * steps)]
+    flash = ttt_attention_and_grads("flash", q, k, v, diag, lengths)
+    math = ttt_attention_and_grads("math", q, k, v, diag, lengths)
+    for name, a, b in zip(["out", "dq", "dk", "dv"] + [f"diag{i}" for i in range(2 * steps)], flash, math):
+        assert (a - b).norm() <= 2e-2 * b.norm(), name

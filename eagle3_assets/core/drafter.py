@@ -244,7 +244,8 @@ class Eagle3Attention(nn.Module):
             q, k0, v0 = q.contiguous(), cache.keys.contiguous(), cache.values.contiguous()
         else:
             k0, v0 = cache.keys, cache.values
-        out = TTTAttention.apply(q, k0, v0, cache, 1.0 / math.sqrt(self.head_dim), *cache.diag_keys, *cache.diag_values)
+        out = TTTAttention.apply(q, k0, v0, cache.geometry, 1.0 / math.sqrt(self.head_dim), *cache.diag_keys,
+                                 *cache.diag_values)
         return self.o_proj(out.reshape(1, N, self.num_heads * self.head_dim))
 
 
@@ -253,18 +254,36 @@ class Eagle3Attention(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class PackedTTTCache:
-    """The keys of a TTT forward over one packed row of samples ([N] tokens, `cu_seqlens` the
-    sample bounds): step 0's keys/values [N, kv_heads, D] (the causal prefix, within each
-    sample) and one [N, kv_heads, D] pair per step >= 1 (index t's own key, seen by t only).
-    `impl` picks the prefix attention: "flash" (FlashAttention varlen, CUDA bf16/fp16) or
-    "math" (per sample in float32: the reference path)."""
+class PackedGeometry:
+    """Where the samples of a packed row lie: `cu_seqlens` [S+1] (int32, on the row's device),
+    the longest sample, and `impl`, the prefix attention: "flash" (FlashAttention varlen, CUDA
+    bf16/fp16) or "math" (per sample in float32: the reference path). It holds no tensor of the
+    autograd graph, so the attention nodes can keep it without a reference cycle."""
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int, impl: str):
         if impl not in ("flash", "math"):
             raise ValueError(f"packed TTT attention impl must be 'flash' or 'math', got {impl!r}")
-        self.cu_seqlens, self.max_len, self.impl = cu_seqlens.to(torch.int32), int(max_len), impl
-        self.bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+        self.cu_seqlens, self.max_len, self.impl = cu_seqlens.detach().to(torch.int32), int(max_len), impl
+        self._bounds: list[tuple[int, int]] | None = None
+        self.flash_rng: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(start, end) of each sample; read back once, only where needed (the math path)."""
+        if self._bounds is None:
+            cu = self.cu_seqlens.tolist()
+            self._bounds = list(zip(cu[:-1], cu[1:]))
+        return self._bounds
+
+
+class PackedTTTCache:
+    """The keys of a TTT forward over one packed row of samples ([N] tokens, `geometry` the
+    sample bounds): step 0's keys/values [N, kv_heads, D] (the causal prefix, within each
+    sample) and one [N, kv_heads, D] pair per step >= 1 (index t's own key, seen by t only)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_len: int, impl: str):
+        self.geometry = PackedGeometry(cu_seqlens, max_len, impl)
+        self.impl = impl
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.diag_keys: list[torch.Tensor] = []
@@ -281,28 +300,34 @@ def _reduce_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.unflatten(1, (-1, n_rep)).sum(2)
 
 
-def _math_prefix_forward(q, k, v, cache: PackedTTTCache, scale: float):
+def _math_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
     """Causal attention within each sample, in float32: out [N, H, D] (q's dtype), lse [H, N]."""
     n_rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    for s, e in cache.bounds:
-        qs = q[s:e].float().transpose(0, 1)  # [H, n, D]
-        ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
-        scores = (qs @ ks.transpose(1, 2)) * scale
-        future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        lse[:, s:e] = torch.logsumexp(scores, dim=-1)
-        out[s:e] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1).to(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):  # float32 also under a bf16 autocast
+        for s, e in geo.bounds:
+            _math_prefix_sample(q, k, v, s, e, n_rep, scale, out, lse)
     return out, lse
 
 
-def _math_prefix_backward(dout, q, k, v, out, lse, cache: PackedTTTCache, scale: float):
+def _math_prefix_sample(q, k, v, s: int, e: int, n_rep: int, scale: float, out, lse) -> None:
+    """One sample's causal attention, written into out[s:e] and lse[:, s:e]."""
+    qs = q[s:e].float().transpose(0, 1)  # [H, n, D]
+    ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
+    scores = (qs @ ks.transpose(1, 2)) * scale
+    future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    lse[:, s:e] = torch.logsumexp(scores, dim=-1)
+    out[s:e] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1).to(q.dtype)
+
+
+def _math_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: float):
     """The FlashAttention backward in float32, per sample: probabilities exp(s - lse) and the
     row term sum(dout * out) come from the given out/lse (which may be the merged ones)."""
     n_rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-    for s, e in cache.bounds:
+    for s, e in geo.bounds:
         qs = q[s:e].float().transpose(0, 1)
         ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
         do, o = dout[s:e].float().transpose(0, 1), out[s:e].float().transpose(0, 1)
@@ -316,44 +341,44 @@ def _math_prefix_backward(dout, q, k, v, out, lse, cache: PackedTTTCache, scale:
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _flash_lse_unpadded(lse: torch.Tensor, cache: PackedTTTCache) -> torch.Tensor:
+def _flash_lse_unpadded(lse: torch.Tensor, geo: PackedGeometry) -> torch.Tensor:
     """FlashAttention varlen's log-sum-exp as [H, N]: recent builds return it so; older ones as
     [B, H, max_len] (padded per sample), converted here."""
     if lse.dim() == 2:
         return lse
-    sample, local = _flash_index(cache, lse.device)
+    sample, local = _flash_index(geo, lse.device)
     return lse[sample, :, local].transpose(0, 1)
 
 
-def _flash_lse_like(merged: torch.Tensor, raw: torch.Tensor, cache: PackedTTTCache) -> torch.Tensor:
+def _flash_lse_like(merged: torch.Tensor, raw: torch.Tensor, geo: PackedGeometry) -> torch.Tensor:
     """The merged [H, N] log-sum-exp in the layout the kernel returned (`raw`)."""
     if raw.dim() == 2:
         return merged.contiguous()
-    sample, local = _flash_index(cache, merged.device)
+    sample, local = _flash_index(geo, merged.device)
     padded = torch.zeros_like(raw)
     padded[sample, :, local] = merged.transpose(0, 1)
     return padded
 
 
-def _flash_index(cache: PackedTTTCache, device) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = [e - s for s, e in cache.bounds]
+def _flash_index(geo: PackedGeometry, device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [e - s for s, e in geo.bounds]
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    local = torch.arange(int(sum(lengths)), device=device) - torch.tensor([s for s, _ in cache.bounds], device=device)[sample]
+    local = torch.arange(int(sum(lengths)), device=device) - torch.tensor([s for s, _ in geo.bounds], device=device)[sample]
     return sample, local
 
 
-def _flash_prefix_forward(q, k, v, cache: PackedTTTCache, scale: float):
+def _flash_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
     out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cache.cu_seqlens, cache.cu_seqlens, cache.max_len, cache.max_len, 0.0, True, False, scale=scale)
-    cache.flash_rng = (seed, offset)
+        q, k, v, geo.cu_seqlens, geo.cu_seqlens, geo.max_len, geo.max_len, 0.0, True, False, scale=scale)
+    geo.flash_rng = (seed, offset)
     return out, lse
 
 
-def _flash_prefix_backward(dout, q, k, v, out, lse, cache: PackedTTTCache, scale: float):
-    seed, offset = cache.flash_rng  # unused at dropout 0, but part of the op's signature
+def _flash_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: float):
+    seed, offset = geo.flash_rng  # unused at dropout 0, but part of the op's signature
     return torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse, cache.cu_seqlens, cache.cu_seqlens, cache.max_len,
-        cache.max_len, 0.0, True, seed, offset, scale=scale)
+        dout.contiguous(), q, k, v, out.contiguous(), lse, geo.cu_seqlens, geo.cu_seqlens, geo.max_len,
+        geo.max_len, 0.0, True, seed, offset, scale=scale)
 
 
 class TTTAttention(torch.autograd.Function):
@@ -370,11 +395,11 @@ class TTTAttention(torch.autograd.Function):
     sum(dout * out)), dq += ds_i dk_i scale, d dk_i = ds_i q scale, d dv_i = p_i dout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cache: PackedTTTCache, scale: float, *diag):
+    def forward(ctx, q, k, v, geo: PackedGeometry, scale: float, *diag):
         n_rep = q.shape[1] // k.shape[1]
-        prefix_forward = _flash_prefix_forward if cache.impl == "flash" else _math_prefix_forward
-        out_p, raw_lse = prefix_forward(q, k, v, cache, scale)
-        lse_p = (_flash_lse_unpadded(raw_lse, cache) if cache.impl == "flash" else raw_lse).transpose(0, 1)  # [N, H]
+        prefix_forward = _flash_prefix_forward if geo.impl == "flash" else _math_prefix_forward
+        out_p, raw_lse = prefix_forward(q, k, v, geo, scale)
+        lse_p = (_flash_lse_unpadded(raw_lse, geo) if geo.impl == "flash" else raw_lse).transpose(0, 1)  # [N, H]
         steps = len(diag) // 2
         dks, dvs = diag[:steps], diag[steps:]
         diag_scores = [(q.float() * _expand_kv(dk, n_rep).float()).sum(-1) * scale for dk in dks]  # [N, H] each
@@ -384,21 +409,21 @@ class TTTAttention(torch.autograd.Function):
             out = out + torch.exp(s_i - lse)[..., None] * _expand_kv(dv, n_rep).float()
         out = out.to(q.dtype)
         merged_lse = lse.transpose(0, 1).contiguous()
-        if cache.impl == "flash":
-            merged_lse = _flash_lse_like(merged_lse, raw_lse, cache)
+        if geo.impl == "flash":
+            merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
         ctx.save_for_backward(q, k, v, out, merged_lse, lse, *diag_scores, *diag)
-        ctx.cache, ctx.scale, ctx.steps = cache, scale, steps
+        ctx.geo, ctx.scale, ctx.steps = geo, scale, steps
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, merged_lse, lse, *rest = ctx.saved_tensors
-        steps, scale, cache = ctx.steps, ctx.scale, ctx.cache
+        steps, scale, geo = ctx.steps, ctx.scale, ctx.geo
         diag_scores, dks, dvs = rest[:steps], rest[steps : 2 * steps], rest[2 * steps :]
         n_rep = q.shape[1] // k.shape[1]
         dout = dout.to(q.dtype)
-        prefix_backward = _flash_prefix_backward if cache.impl == "flash" else _math_prefix_backward
-        dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, cache, scale)
+        prefix_backward = _flash_prefix_backward if geo.impl == "flash" else _math_prefix_backward
+        dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None
         dq = dq.float()

@@ -554,6 +554,12 @@ def build_draft_model(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafte
     embed, lm_head, _ = load_target_head(job.target_model_dir)
     config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(job.target_model_dir), job.draft_vocab_size,
                                               job.aux_layer_ids)
+    return place_draft_model(config, embed, lm_head, d2t, t2d, device)
+
+
+def place_draft_model(config: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
+                      t2d: torch.Tensor, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter of `config` on `device` as training runs it (also benchmarks/train_throughput.py)."""
     model = Eagle3Drafter(config, embed)
     model.set_vocab_map(d2t, t2d)
     model.to(device)
