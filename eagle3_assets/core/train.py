@@ -84,6 +84,9 @@ class TrainConfig:
     # implementation (right-padded rows, the full score matrix, [B, T, V] logits per step).
     attention: Literal["auto", "flash", "math", "padded"] = "auto"
     loss_chunk_tokens: PositiveInt = 4096  # tokens per chunk of the fused LM head + loss
+    # torch.compile the loss's per-chunk math on CUDA (one fused pass over each chunk's logits);
+    # off: eager kernels, several passes.
+    compile: bool = False
     # Training seconds (over all runs) at which a copy of the drafter is written to
     # <out_dir>/snapshots/t<seconds>/, for tau against training time.
     snapshot_at_s: list[PositiveFloat] = field(default_factory=list)
@@ -350,26 +353,35 @@ def ttt_loss(
 class PackedTeacher:
     """The target's distribution over the draft vocabulary on a packed row, kept compact: the
     draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
-    its float32 softmax), or the stored top-k; `probs` makes float32 rows a chunk at a time.
-    `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token."""
+    its float32 softmax) with their log-sum-exp, or the stored top-k; `chunk` gives a chunk of
+    rows. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
+    `argmax` [N]: the teacher's own argmax over the draft vocabulary (for accuracy)."""
 
-    def __init__(self, in_draft: torch.Tensor, logits: torch.Tensor | None = None,
+    def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
                  topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0):
-        self.in_draft, self.logits, self.topk, self.draft_vocab_size = in_draft, logits, topk, draft_vocab_size
+        self.in_draft, self.argmax, self.logits, self.topk = in_draft, argmax, logits, topk
+        self.draft_vocab_size = draft_vocab_size
+        self.lse = None if logits is None else _logsumexp_rows(logits)
         self.rows = in_draft.shape[0]
 
-    def probs(self, start: int, stop: int) -> torch.Tensor:
-        """p for rows start..stop-1 (rows past the end repeat the last: their weight is zero)."""
+    def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows start..stop-1 (rows past the end repeat the last: their weight is zero) as
+        (logits, their log-sum-exp), or (float32 probabilities, None) for the top-k teacher."""
         index = torch.arange(start, stop, device=self.in_draft.device).clamp_(max=self.rows - 1)
         if self.logits is not None:
-            return torch.softmax(self.logits.index_select(0, index).float(), dim=-1)
+            return self.logits.index_select(0, index), self.lse.index_select(0, index)
         ids, logprobs = self.topk
-        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size)
+        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size), None
+
+
+def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    return torch.cat([torch.logsumexp(logits[s : s + chunk_tokens].float(), dim=-1)
+                      for s in range(0, logits.shape[0], chunk_tokens)])
 
 
 @torch.no_grad()
 def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
-                   chunk_tokens: int = 1024) -> PackedTeacher:
+                   chunk_tokens: int = 4096) -> PackedTeacher:
     """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V]."""
     if "last_hidden_state" in batch:
         flat = batch["last_hidden_state"].to(lm_head.dtype)
@@ -379,53 +391,97 @@ def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: t
             h = flat[start : start + chunk_tokens]
             in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
             logits.append(h @ draft_head.T)
-        return PackedTeacher(torch.cat(in_draft), logits=torch.cat(logits))
+        logits = torch.cat(logits)
+        return PackedTeacher(torch.cat(in_draft), logits.argmax(-1), logits=logits)
     if "topk_ids" in batch:
-        return PackedTeacher(batch["target_in_draft"].bool(), topk=(batch["topk_ids"], batch["topk_logprobs"]),
+        ids, logprobs = batch["topk_ids"], batch["topk_logprobs"]
+        # the dense distribution's argmax: the first of the ids with the largest probability
+        best = torch.softmax(logprobs.float(), dim=-1)
+        top = best.max(-1, keepdim=True).values
+        argmax = torch.where(best == top, ids, draft_vocab_size).min(-1).values
+        return PackedTeacher(batch["target_in_draft"].bool(), argmax, topk=(ids, logprobs),
                              draft_vocab_size=draft_vocab_size)
     raise KeyError(f"the batch holds no teacher (last_hidden_state or topk_ids): keys {sorted(batch)}")
 
 
+# The per-chunk math of the loss, as plain functions of a chunk's logits z (the head's dtype)
+# and the teacher's chunk (logits t with lse_t, or probabilities p), so that `training.compile`
+# can fuse each into a kernel or two that read z and t once.
+def _ce_forward_logits(z, t, lse_t):
+    """(logsumexp(z), sum(p * z), argmax z) per row, p = exp(t - lse_t)."""
+    z = z.float()
+    return torch.logsumexp(z, dim=-1), (torch.exp(t.float() - lse_t[:, None]) * z).sum(-1), z.argmax(-1)
+
+
+def _ce_forward_probs(z, p):
+    z = z.float()
+    return torch.logsumexp(z, dim=-1), (p * z).sum(-1), z.argmax(-1)
+
+
+def _ce_grad_logits(z, lse, t, lse_t, w):
+    """d loss / d z = (softmax(z) - p) * w, in z's dtype."""
+    return ((torch.exp(z.float() - lse[:, None]) - torch.exp(t.float() - lse_t[:, None])) * w[:, None]).to(z.dtype)
+
+
+def _ce_grad_probs(z, lse, p, w):
+    return ((torch.exp(z.float() - lse[:, None]) - p) * w[:, None]).to(z.dtype)
+
+
+_CE_EAGER = (_ce_forward_logits, _ce_forward_probs, _ce_grad_logits, _ce_grad_probs)
+_ce_compiled: tuple | None = None
+
+
+def _ce_functions(compiled: bool) -> tuple:
+    global _ce_compiled
+    if not compiled:
+        return _CE_EAGER
+    if _ce_compiled is None:  # dynamic: the last chunk of a row has another length
+        _ce_compiled = tuple(torch.compile(f, dynamic=True) for f in _CE_EAGER)
+    return _ce_compiled
+
+
 class ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
-    of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole.
-    Row t is fitted to the teacher's row t + shift. Backward recomputes each chunk's logits:
-    dz = (softmax(z) - p) * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden.
-    Also returns, without gradient, whether each row's argmax equals the teacher's."""
+    of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole
+    (-sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1). Row t is fitted to
+    the teacher's row t + shift. Backward recomputes each chunk's logits: dz = (softmax(z) - p)
+    * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden. Also returns,
+    without gradient, each row's argmax z (for accuracy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, shift: int, chunk: int):
+    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, shift: int, chunk: int, compiled: bool):
+        fwd_logits, fwd_probs, _, _ = _ce_functions(compiled)
         N = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        agree = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        argmax = torch.empty(N, dtype=torch.int64, device=hidden.device)
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
-            z = (hidden[a:b] @ weight.T).float()
-            p = teacher.probs(a + shift, b + shift)
-            lse[a:b] = torch.logsumexp(z, dim=-1)
-            # -sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1
-            loss = loss + (row_weights[a:b] * (lse[a:b] - (p * z).sum(-1))).sum()
-            agree[a:b] = z.argmax(-1) == p.argmax(-1)
+            z = hidden[a:b] @ weight.T
+            t, lse_t = teacher.chunk(a + shift, b + shift)
+            lse[a:b], pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
+            loss = loss + (row_weights[a:b] * (lse[a:b] - pz)).sum()
         ctx.save_for_backward(hidden, weight, row_weights, lse)
-        ctx.teacher, ctx.shift, ctx.chunk = teacher, shift, chunk
-        ctx.mark_non_differentiable(agree)
-        return loss, agree
+        ctx.teacher, ctx.shift, ctx.chunk, ctx.compiled = teacher, shift, chunk, compiled
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_agree):
+    def backward(ctx, grad_loss, _grad_argmax):
+        _, _, grad_logits, grad_probs = _ce_functions(ctx.compiled)
         hidden, weight, row_weights, lse = ctx.saved_tensors
         N = hidden.shape[0]
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for a in range(0, N, ctx.chunk):
             b = min(a + ctx.chunk, N)
-            z = (hidden[a:b] @ weight.T).float()
-            p = ctx.teacher.probs(a + ctx.shift, b + ctx.shift)
-            dz = ((torch.exp(z - lse[a:b, None]) - p) * (row_weights[a:b] * grad_loss)[:, None]).to(hidden.dtype)
+            z = hidden[a:b] @ weight.T
+            t, lse_t = ctx.teacher.chunk(a + ctx.shift, b + ctx.shift)
+            w = row_weights[a:b] * grad_loss
+            dz = grad_logits(z, lse[a:b], t, lse_t, w) if lse_t is not None else grad_probs(z, lse[a:b], t, w)
             d_hidden[a:b] = dz @ weight
             d_weight += (dz.T @ hidden[a:b]).float()
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None
 
 
 def packed_ttt_loss(
@@ -437,6 +493,7 @@ def packed_ttt_loss(
     loss_decay: float,
     chunk_tokens: int = 4096,
     compute_dtype: torch.dtype = torch.float32,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """`ttt_loss` on a packed row, from each step's layer output [N, H] (pre-norm).
 
@@ -459,10 +516,12 @@ def packed_ttt_loss(
         include[: max(N - s, 0)] &= teacher.in_draft[s:]
         count = counted.sum()
         row_weights = include.float() / count.clamp(min=1)
-        loss, agree = ChunkedSoftCrossEntropy.apply(model.norm(hidden).to(compute_dtype), weight, row_weights,
-                                                    teacher, s, chunk_tokens)
+        loss, argmax = ChunkedSoftCrossEntropy.apply(model.norm(hidden).to(compute_dtype), weight, row_weights,
+                                                     teacher, s, chunk_tokens, compiled)
         total = total + loss_decay**k * loss
         losses.append(loss.detach())
+        agree = torch.zeros(N, dtype=torch.bool, device=argmax.device)
+        agree[: max(N - s, 0)] = argmax[: max(N - s, 0)] == teacher.argmax[s:]
         tallies.append(torch.stack(((agree & include).sum(), count)))
     return total, losses, torch.stack(tallies)
 
@@ -633,7 +692,7 @@ def run_forward_packed(model, target_head: torch.Tensor, t2d: torch.Tensor, draf
                             attention=impl)
         drafter = model.module if hasattr(model, "module") else model
         return packed_ttt_loss(step_hidden, drafter, teacher, batch["loss_mask"], batch["sample_end"], cfg.loss_decay,
-                               cfg.loss_chunk_tokens, compute_dtype)
+                               cfg.loss_chunk_tokens, compute_dtype, cfg.compile and device.type == "cuda")
 
 
 def run_backward_and_update(loss: torch.Tensor, model, optimizer, lr: float, cfg: TrainConfig) -> torch.Tensor:
