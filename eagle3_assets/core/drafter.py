@@ -326,7 +326,7 @@ def _math_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: f
     """The FlashAttention backward in float32, per sample: probabilities exp(s - lse) and the
     row term sum(dout * out) come from the given out/lse (which may be the merged ones)."""
     n_rep = q.shape[1] // k.shape[1]
-    dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
     for s, e in geo.bounds:
         qs = q[s:e].float().transpose(0, 1)
         ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
@@ -363,7 +363,8 @@ def _flash_lse_like(merged: torch.Tensor, raw: torch.Tensor, geo: PackedGeometry
 def _flash_index(geo: PackedGeometry, device) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = [e - s for s, e in geo.bounds]
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    local = torch.arange(int(sum(lengths)), device=device) - torch.tensor([s for s, _ in geo.bounds], device=device)[sample]
+    starts = torch.tensor([s for s, _ in geo.bounds], device=device)
+    local = torch.arange(int(sum(lengths)), device=device) - starts[sample]
     return sample, local
 
 

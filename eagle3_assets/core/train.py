@@ -13,6 +13,13 @@ from whichever teacher the files hold (`teacher_distribution`): softmax(lm_head(
 state)) over the draft vocabulary, or the stored top-k renormalized over its k ids. fp8 files
 are moved as stored and dequantized on the training device.
 
+A batch is one packed row of samples (`pack_batch`, `training.attention` auto/flash/math): the
+TTT attention merges FlashAttention's causal prefix with each position's own keys through
+log-sum-exp (`drafter.TTTAttention`) and the LM head + loss run in chunks of tokens
+(`ChunkedSoftCrossEntropy`), so neither a score matrix nor [tokens, vocab] float32 tensors
+exist whole; in float32 it computes the first, padded implementation's loss and gradients
+(`attention: padded`, kept as the reference; eagle3_assets_tests/test_train_fast.py).
+
 Training is resumable: the full state (weights, optimizer, step, curve, training time so far)
 is saved every `save_every` steps and when a run is stopped on purpose (SIGTERM, or
 `TrainJob.stop_after_s` for a time-limited slot); the next run with the same data and config
@@ -109,7 +116,8 @@ class TrainJob:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: length-bucketed, right-padded batches, streamed from disk or from preloaded samples
+# Data: packed rows (or length-bucketed, right-padded batches), streamed from disk or from
+# preloaded samples
 # ---------------------------------------------------------------------------------------------
 
 
@@ -176,7 +184,8 @@ def batches_forever(
     while True:
         for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng, packed):
             if index >= start_step * world and index % world == rank:
-                yield load_batch(batch, cfg.max_length, packed) if cache is None else _batch_from_cache(batch, cache, packed)
+                yield (load_batch(batch, cfg.max_length, packed) if cache is None
+                       else _batch_from_cache(batch, cache, packed))
             index += 1
 
 
@@ -367,11 +376,14 @@ class PackedTeacher:
     def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows start..stop-1 (rows past the end repeat the last: their weight is zero) as
         (logits, their log-sum-exp), or (float32 probabilities, None) for the top-k teacher."""
-        index = torch.arange(start, stop, device=self.in_draft.device).clamp_(max=self.rows - 1)
+        if stop <= self.rows:  # a view, no copy
+            rows = slice(start, stop)
+        else:
+            rows = torch.arange(start, stop, device=self.in_draft.device).clamp_(max=self.rows - 1)
         if self.logits is not None:
-            return self.logits.index_select(0, index), self.lse.index_select(0, index)
+            return self.logits[rows], self.lse[rows]
         ids, logprobs = self.topk
-        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size), None
+        return topk_distribution(ids[rows], logprobs[rows], self.draft_vocab_size), None
 
 
 def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -629,7 +641,8 @@ def place_draft_model(config: DrafterConfig, embed: torch.Tensor, lm_head: torch
 
 def plan_steps(cfg: TrainConfig, refs: list[SampleRef], world: int) -> tuple[int, int]:
     """(batches per epoch, optimizer steps): `max_steps`, else `epochs` passes over the data."""
-    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), cfg.attention != "padded"))
+    packed = cfg.attention != "padded"
+    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), packed))
     return batches, cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / world))
 
 
