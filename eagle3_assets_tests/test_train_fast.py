@@ -159,3 +159,16 @@ def test_flash_training_step_matches_the_padded_path_on_cuda(compile):
     assert new[0] == pytest.approx(old[0], rel=2e-2)
     assert torch.equal(new[1][:, 1], old[1][:, 1])  # the same positions counted
     assert (new[2] - old[2]).norm() <= 5e-2 * old[2].norm()
+
+
+def test_flash_log_sum_exp_layouts_round_trip():
+    """Older FlashAttention builds return the varlen log-sum-exp padded per sample [B, H, max]:
+    it is read as [H, N] and the merged one written back in the same layout."""
+    from eagle3_assets.core.drafter import PackedGeometry, _flash_lse_like, _flash_lse_unpadded
+
+    geo = PackedGeometry(torch.tensor([0, 3, 4, 9]), 5, "flash")
+    merged = torch.randn(2, 9)
+    assert torch.equal(_flash_lse_like(merged, torch.empty(2, 9), geo), merged)
+    padded = _flash_lse_like(merged, torch.empty(3, 2, 5), geo)
+    assert torch.equal(padded[1, :, 0], merged[:, 3]) and torch.equal(padded[2, :, 4], merged[:, 8])
+    assert torch.equal(_flash_lse_unpadded(padded, geo), merged)

@@ -739,11 +739,13 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         log = lambda msg: None  # noqa: E731 (rank 0 reports for all)
 
     # -- model, data plan, optimizer ---------------------------------------------------------
+    attention = attention_impl(cfg, device)  # a bad setting fails here, before any loading
     model, target_head = build_draft_model(job, device)
     refs = list_samples(job.shard_dirs)
     batches_per_epoch, max_steps = plan_steps(cfg, refs, dist.world)
     log(f"train: {len(refs)} samples, {sum(r.tokens for r in refs):,} tokens, {batches_per_epoch} batches per epoch, "
-        f"{max_steps} steps, {sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}")
+        f"{max_steps} steps, {sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}, "
+        f"attention {attention}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
     # -- resume --------------------------------------------------------------------------------
@@ -849,6 +851,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         "resumed_from_step": resumed_from,
         "processes": dist.world,
         "device": str(device),
+        "attention": attention,
     }
 
 
