@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3_assets.core import drafter as drafter_module  # noqa: E402
 from eagle3_assets.core.drafter import DrafterConfig  # noqa: E402
 from eagle3_assets.core.train import (  # noqa: E402
     TrainConfig,
@@ -123,8 +124,11 @@ def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, devic
     real = sum(int(b["lengths"].sum()) for b in batches[warmup:])
     slots = sum(b["input_ids"].numel() for b in batches[warmup:])
     params = sum(p.numel() for p in model.parameters())
+    attention = attention_impl(cfg, device)
+    if attention == "flash" and not drafter_module._Flash.ok:
+        attention = "math (flash failed)"
     return {
-        "path": name, "attention": attention_impl(cfg, device), "steps": steps, "seconds": round(elapsed, 3),
+        "path": name, "attention": attention, "steps": steps, "seconds": round(elapsed, 3),
         "steps_per_s": steps / elapsed, "tokens_per_s": real / elapsed, "real_tokens_per_batch": real / steps,
         "padding_fraction": 1 - real / slots,
         # the simple count: 6 x parameters x TTT steps per real token

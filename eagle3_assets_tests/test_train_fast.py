@@ -132,7 +132,10 @@ def test_flash_ttt_attention_equals_the_math_path_on_cuda(steps):
     N = sum(lengths)
     q, k, v = (torch.randn(N, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, Hk, Hk))
     diag = [torch.randn(N, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2 * steps)]
+    from eagle3_assets.core import drafter
+
     flash = ttt_attention_and_grads("flash", q, k, v, diag, lengths)
+    assert drafter._Flash.ok, "the FlashAttention ops failed (the math path stood in)"
     math = ttt_attention_and_grads("math", q, k, v, diag, lengths)
     for name, a, b in zip(["out", "dq", "dk", "dv"] + [f"diag{i}" for i in range(2 * steps)], flash, math):
         assert (a - b).norm() <= 2e-2 * b.norm(), name
@@ -188,3 +191,19 @@ def test_packed_training_is_the_same_from_disk_and_from_preloaded_samples(tiny_t
     assert runs[0]["loss_history"] == runs[1]["loss_history"]
     # packed rows: every batch but an epoch's last holds close to batch_tokens real tokens
     assert runs[0]["tokens_seen"] > 3 * (200 - 40)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a device without the FlashAttention kernel")
+def test_flash_falls_back_to_the_math_path_where_the_kernel_fails(monkeypatch):
+    from eagle3_assets.core import drafter
+
+    monkeypatch.setattr(drafter._Flash, "ok", True)
+    torch.manual_seed(0)
+    lengths = [5, 1, 7]
+    q, k, v = (torch.randn(13, h, 8) for h in (4, 2, 2))
+    diag = [torch.randn(13, 2, 8) for _ in range(4)]
+    with pytest.warns(RuntimeWarning, match="falls back to the per-sample math path"):
+        fell_back = ttt_attention_and_grads("flash", q, k, v, diag, lengths)
+    assert not drafter._Flash.ok
+    for a, b in zip(fell_back, ttt_attention_and_grads("math", q, k, v, diag, lengths)):
+        assert torch.equal(a, b)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -368,18 +369,47 @@ def _flash_index(geo: PackedGeometry, device) -> tuple[torch.Tensor, torch.Tenso
     return sample, local
 
 
+class _Flash:
+    """Whether the FlashAttention ops work in this build; after a first failure (an older or
+    other build) the math path does the prefix instead, with one warning."""
+
+    ok = True
+
+    @classmethod
+    def fail(cls, where: str, e: Exception) -> None:
+        if cls.ok:
+            warnings.warn(f"FlashAttention varlen {where} failed ({type(e).__name__}: {e}); the packed TTT attention "
+                          "falls back to the per-sample math path (slow: set training.attention to 'padded' or fix "
+                          "the build)", RuntimeWarning, stacklevel=3)
+        cls.ok = False
+
+
+_FLASH_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
+
+
 def _flash_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
-    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, geo.cu_seqlens, geo.cu_seqlens, geo.max_len, geo.max_len, 0.0, True, False, scale=scale)
-    geo.flash_rng = (seed, offset)
-    return out, lse
+    if _Flash.ok:
+        try:
+            out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+                q, k, v, geo.cu_seqlens, geo.cu_seqlens, geo.max_len, geo.max_len, 0.0, True, False, scale=scale)
+            geo.flash_rng = (seed, offset)
+            return out, lse
+        except _FLASH_ERRORS as e:
+            _Flash.fail("forward", e)
+    geo.impl = "math"  # this row's backward goes the same way
+    return _math_prefix_forward(q, k, v, geo, scale)
 
 
 def _flash_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: float):
-    seed, offset = geo.flash_rng  # unused at dropout 0, but part of the op's signature
-    return torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse, geo.cu_seqlens, geo.cu_seqlens, geo.max_len,
-        geo.max_len, 0.0, True, seed, offset, scale=scale)
+    if _Flash.ok:
+        try:
+            seed, offset = geo.flash_rng  # unused at dropout 0, but part of the op's signature
+            return torch.ops.aten._flash_attention_backward(
+                dout.contiguous(), q, k, v, out.contiguous(), lse, geo.cu_seqlens, geo.cu_seqlens, geo.max_len,
+                geo.max_len, 0.0, True, seed, offset, scale=scale)
+        except _FLASH_ERRORS as e:
+            _Flash.fail("backward", e)
+    return _math_prefix_backward(dout, q, k, v, out, _flash_lse_unpadded(lse, geo), geo, scale)
 
 
 class TTTAttention(torch.autograd.Function):
@@ -398,9 +428,10 @@ class TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, geo: PackedGeometry, scale: float, *diag):
         n_rep = q.shape[1] // k.shape[1]
-        prefix_forward = _flash_prefix_forward if geo.impl == "flash" else _math_prefix_forward
-        out_p, raw_lse = prefix_forward(q, k, v, geo, scale)
-        lse_p = (_flash_lse_unpadded(raw_lse, geo) if geo.impl == "flash" else raw_lse).transpose(0, 1)  # [N, H]
+        flash = geo.impl == "flash"
+        out_p, raw_lse = (_flash_prefix_forward if flash else _math_prefix_forward)(q, k, v, geo, scale)
+        flash = geo.impl == "flash"  # still: the op ran (else it fell back to the math path)
+        lse_p = (_flash_lse_unpadded(raw_lse, geo) if flash else raw_lse).transpose(0, 1)  # [N, H]
         steps = len(diag) // 2
         dks, dvs = diag[:steps], diag[steps:]
         diag_scores = [(q.float() * _expand_kv(dk, n_rep).float()).sum(-1) * scale for dk in dks]  # [N, H] each
@@ -410,10 +441,10 @@ class TTTAttention(torch.autograd.Function):
             out = out + torch.exp(s_i - lse)[..., None] * _expand_kv(dv, n_rep).float()
         out = out.to(q.dtype)
         merged_lse = lse.transpose(0, 1).contiguous()
-        if geo.impl == "flash":
+        if flash:
             merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
         ctx.save_for_backward(q, k, v, out, merged_lse, lse, *diag_scores, *diag)
-        ctx.geo, ctx.scale, ctx.steps = geo, scale, steps
+        ctx.geo, ctx.scale, ctx.steps, ctx.flash = geo, scale, steps, flash
         return out
 
     @staticmethod
@@ -423,7 +454,7 @@ class TTTAttention(torch.autograd.Function):
         diag_scores, dks, dvs = rest[:steps], rest[steps : 2 * steps], rest[2 * steps :]
         n_rep = q.shape[1] // k.shape[1]
         dout = dout.to(q.dtype)
-        prefix_backward = _flash_prefix_backward if geo.impl == "flash" else _math_prefix_backward
+        prefix_backward = _flash_prefix_backward if ctx.flash else _math_prefix_backward
         dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None

@@ -48,6 +48,7 @@ from safetensors import safe_open
 
 from .config import STRICT, Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .distributed import Dist, setup
+from . import drafter as drafter_module
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
 from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
@@ -851,7 +852,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         "resumed_from_step": resumed_from,
         "processes": dist.world,
         "device": str(device),
-        "attention": attention,
+        "attention": attention if attention != "flash" or drafter_module._Flash.ok else "math (flash failed)",
     }
 
 
