@@ -427,19 +427,23 @@ class TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, geo: PackedGeometry, scale: float, *diag):
-        n_rep = q.shape[1] // k.shape[1]
+        N, H, D = q.shape
+        Hk = k.shape[1]
         flash = geo.impl == "flash"
         out_p, raw_lse = (_flash_prefix_forward if flash else _math_prefix_forward)(q, k, v, geo, scale)
         flash = geo.impl == "flash"  # still: the op ran (else it fell back to the math path)
         lse_p = (_flash_lse_unpadded(raw_lse, geo) if flash else raw_lse).transpose(0, 1)  # [N, H]
         steps = len(diag) // 2
         dks, dvs = diag[:steps], diag[steps:]
-        diag_scores = [(q.float() * _expand_kv(dk, n_rep).float()).sum(-1) * scale for dk in dks]  # [N, H] each
+        # Query heads grouped by their key-value head, [N, Hk, n_rep, D]: a diagonal key [N, Hk,
+        # D] broadcasts over its group, so no repeated copy of it is made.
+        qg = q.float().reshape(N, Hk, -1, D)
+        diag_scores = [(qg * dk.float()[:, :, None]).sum(-1).view(N, H) * scale for dk in dks]  # [N, H] each
         lse = torch.logsumexp(torch.stack([lse_p, *diag_scores]), dim=0) if steps else lse_p
-        out = torch.exp(lse_p - lse)[..., None] * out_p.float()
+        out = (torch.exp(lse_p - lse)[..., None] * out_p.float()).view(N, Hk, -1, D)
         for s_i, dv in zip(diag_scores, dvs):
-            out = out + torch.exp(s_i - lse)[..., None] * _expand_kv(dv, n_rep).float()
-        out = out.to(q.dtype)
+            out = out + torch.exp(s_i - lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
+        out = out.view(N, H, D).to(q.dtype)
         merged_lse = lse.transpose(0, 1).contiguous()
         if flash:
             merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
@@ -452,23 +456,24 @@ class TTTAttention(torch.autograd.Function):
         q, k, v, out, merged_lse, lse, *rest = ctx.saved_tensors
         steps, scale, geo = ctx.steps, ctx.scale, ctx.geo
         diag_scores, dks, dvs = rest[:steps], rest[steps : 2 * steps], rest[2 * steps :]
-        n_rep = q.shape[1] // k.shape[1]
+        N, H, D = q.shape
+        Hk = k.shape[1]
         dout = dout.to(q.dtype)
         prefix_backward = _flash_prefix_backward if ctx.flash else _math_prefix_backward
         dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None
-        dq = dq.float()
-        row = (dout.float() * out.float()).sum(-1)  # [N, H]
+        qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
+        dq = dq.float().reshape(N, Hk, -1, D)
+        row = (dout_g * out.float().reshape(N, Hk, -1, D)).sum(-1)  # [N, Hk, n_rep]
         d_dks, d_dvs = [], []
         for s_i, dk_i, dv_i in zip(diag_scores, dks, dvs):
-            p_i = torch.exp(s_i - lse)
-            dk_e, dv_e = _expand_kv(dk_i, n_rep).float(), _expand_kv(dv_i, n_rep).float()
-            ds = p_i * ((dout.float() * dv_e).sum(-1) - row)
-            dq = dq + ds[..., None] * dk_e * scale
-            d_dks.append(_reduce_kv(ds[..., None] * q.float() * scale, n_rep).to(dk_i.dtype))
-            d_dvs.append(_reduce_kv(p_i[..., None] * dout.float(), n_rep).to(dv_i.dtype))
-        return dq.to(q.dtype), dk, dv, None, None, *d_dks, *d_dvs
+            p_i = torch.exp(s_i - lse).view(N, Hk, -1)
+            ds = p_i * ((dout_g * dv_i.float()[:, :, None]).sum(-1) - row) * scale
+            dq = dq + ds[..., None] * dk_i.float()[:, :, None]
+            d_dks.append((ds[..., None] * qg).sum(2).to(dk_i.dtype))
+            d_dvs.append((p_i[..., None] * dout_g).sum(2).to(dv_i.dtype))
+        return dq.view(N, H, D).to(q.dtype), dk, dv, None, None, *d_dks, *d_dvs
 
 
 class Eagle3MLP(nn.Module):
