@@ -363,8 +363,8 @@ def ttt_loss(
 class PackedTeacher:
     """The target's distribution over the draft vocabulary on a packed row, kept compact: the
     draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
-    its float32 softmax) with their log-sum-exp, or the stored top-k; `chunk` gives a chunk of
-    rows. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
+    its float32 softmax) with their log-sum-exp, or the stored top-k; `rows_of` gives some of
+    its rows. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
     `argmax` [N]: the teacher's own argmax over the draft vocabulary (for accuracy)."""
 
     def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
@@ -374,17 +374,14 @@ class PackedTeacher:
         self.lse = None if logits is None else _logsumexp_rows(logits)
         self.rows = in_draft.shape[0]
 
-    def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows start..stop-1 (rows past the end repeat the last: their weight is zero) as
-        (logits, their log-sum-exp), or (float32 probabilities, None) for the top-k teacher."""
-        if stop <= self.rows:  # a view, no copy
-            rows = slice(start, stop)
-        else:
-            rows = torch.arange(start, stop, device=self.in_draft.device).clamp_(max=self.rows - 1)
+    def rows_of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows `index` as (logits, their log-sum-exp), or (float32 probabilities, None)
+        for the top-k teacher."""
         if self.logits is not None:
-            return self.logits[rows], self.lse[rows]
+            return self.logits.index_select(0, index), self.lse.index_select(0, index)
         ids, logprobs = self.topk
-        return topk_distribution(ids[rows], logprobs[rows], self.draft_vocab_size), None
+        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index),
+                                 self.draft_vocab_size), None
 
 
 def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -457,12 +454,12 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
     of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole
     (-sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1). Row t is fitted to
-    the teacher's row t + shift. Backward recomputes each chunk's logits: dz = (softmax(z) - p)
+    the teacher's row teacher_rows[t]. Backward recomputes each chunk's logits: dz = (softmax(z) - p)
     * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden. Also returns,
     without gradient, each row's argmax z (for accuracy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, shift: int, chunk: int, compiled: bool):
+    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, teacher_rows, chunk: int, compiled: bool):
         fwd_logits, fwd_probs, _, _ = _ce_functions(compiled)
         N = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -471,25 +468,25 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             z = hidden[a:b] @ weight.T
-            t, lse_t = teacher.chunk(a + shift, b + shift)
+            t, lse_t = teacher.rows_of(teacher_rows[a:b])
             lse[a:b], pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
             loss = loss + (row_weights[a:b] * (lse[a:b] - pz)).sum()
-        ctx.save_for_backward(hidden, weight, row_weights, lse)
-        ctx.teacher, ctx.shift, ctx.chunk, ctx.compiled = teacher, shift, chunk, compiled
+        ctx.save_for_backward(hidden, weight, row_weights, lse, teacher_rows)
+        ctx.teacher, ctx.chunk, ctx.compiled = teacher, chunk, compiled
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
         _, _, grad_logits, grad_probs = _ce_functions(ctx.compiled)
-        hidden, weight, row_weights, lse = ctx.saved_tensors
+        hidden, weight, row_weights, lse, teacher_rows = ctx.saved_tensors
         N = hidden.shape[0]
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for a in range(0, N, ctx.chunk):
             b = min(a + ctx.chunk, N)
             z = hidden[a:b] @ weight.T
-            t, lse_t = ctx.teacher.chunk(a + ctx.shift, b + ctx.shift)
+            t, lse_t = ctx.teacher.rows_of(teacher_rows[a:b])
             w = row_weights[a:b] * grad_loss
             dz = grad_logits(z, lse[a:b], t, lse_t, w) if lse_t is not None else grad_probs(z, lse[a:b], t, w)
             d_hidden[a:b] = dz @ weight
@@ -517,24 +514,33 @@ def packed_ttt_loss(
     loss: the same positions, each averaged over the same count."""
     N = loss_mask.shape[0]
     index = torch.arange(N, device=loss_mask.device)
+    counted, included = [], []
+    for k in range(len(step_hidden)):
+        s = k + 1
+        c = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
+        c[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
+        c &= index + s + 1 < sample_end
+        i = c.clone()
+        i[: max(N - s, 0)] &= teacher.in_draft[s:]
+        counted.append(c)
+        included.append(i)
+    # Only rows that count at some step go through the head: prompt tokens (often a third of a
+    # row) never do. One read-back per batch, for the row count.
+    rows = torch.stack(counted).any(0).nonzero().squeeze(1)
     total = torch.zeros((), device=loss_mask.device)
     weight = model.lm_head.weight.to(compute_dtype)
     losses, tallies = [], []
     for k, hidden in enumerate(step_hidden):
         s = k + 1
-        counted = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
-        counted[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
-        counted &= index + s + 1 < sample_end
-        include = counted.clone()
-        include[: max(N - s, 0)] &= teacher.in_draft[s:]
-        count = counted.sum()
-        row_weights = include.float() / count.clamp(min=1)
-        loss, argmax = ChunkedSoftCrossEntropy.apply(model.norm(hidden).to(compute_dtype), weight, row_weights,
-                                                     teacher, s, chunk_tokens, compiled)
+        count = counted[k].sum()
+        include = included[k].index_select(0, rows)
+        teacher_rows = (rows + s).clamp(max=N - 1)  # rows past the end are not included
+        hidden_rows = model.norm(hidden.index_select(0, rows)).to(compute_dtype)
+        loss, argmax = ChunkedSoftCrossEntropy.apply(hidden_rows, weight, include.float() / count.clamp(min=1),
+                                                     teacher, teacher_rows, chunk_tokens, compiled)
         total = total + loss_decay**k * loss
         losses.append(loss.detach())
-        agree = torch.zeros(N, dtype=torch.bool, device=argmax.device)
-        agree[: max(N - s, 0)] = argmax[: max(N - s, 0)] == teacher.argmax[s:]
+        agree = argmax == teacher.argmax.index_select(0, teacher_rows)
         tallies.append(torch.stack(((agree & include).sum(), count)))
     return total, losses, torch.stack(tallies)
 
