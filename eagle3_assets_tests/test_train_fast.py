@@ -207,3 +207,18 @@ def test_flash_falls_back_to_the_math_path_where_the_kernel_fails(monkeypatch):
     assert not drafter._Flash.ok
     for a, b in zip(fell_back, ttt_attention_and_grads("math", q, k, v, diag, lengths)):
         assert torch.equal(a, b)
+
+
+def test_a_snapshot_at_the_time_budget_is_written_with_the_final_weights(tiny_target, tmp_path):
+    from eagle3_assets.core.train import TrainJob, train_drafter
+    from eagle3_assets_tests.test_train_job import setup
+
+    params = setup(tiny_target, tmp_path)
+    # Whether the budget is passed before a step's own snapshot check or only at the loop's next
+    # stop check (then the run's end writes it), the snapshot holds the last step's weights.
+    cfg = TrainConfig(max_steps=1000, batch_tokens=128, warmup_steps=1, ttt_steps=2, log_every=1000,
+                      time_budget_s=0.05, snapshot_at_s=[0.05])
+    result = train_drafter(TrainJob(**params, config=cfg), log=lambda m: None)
+    assert result["stopped"] == "time_budget"
+    [snap] = result["snapshots"]
+    assert snap["step"] == result["steps"] and (tmp_path / "drafter" / "snapshots" / "t00000.050").is_dir()

@@ -829,6 +829,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     run_s = time.perf_counter() - clock.run_start
     paused = stopped == "paused"
     if dist.main:
+        # a value the stopping time passed after the last step's check: these are its weights
+        write_due_snapshots(model, job, progress, train_s, log)
         if job.state_path and paused:  # before the checkpoint moves the weights to the CPU
             save_state()
         save_checkpoint(model.cpu(), Path(job.out_dir), dtype=getattr(torch, cfg.checkpoint_dtype))
