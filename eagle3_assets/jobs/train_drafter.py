@@ -36,6 +36,8 @@ def report(pipes, job: TrainJob, m: dict) -> None:
             "train_s": round(m["train_s"], 2),
             "preload_s": round(m["preload_s"], 2),
             "tokens_per_s": round(m["tokens_per_s"], 1),
+            "attention": m["attention"],
+            "snapshots": json_value(m["snapshots"]),
             "processes": m["processes"],
             "aux_layer_ids": json_value(list(job.aux_layer_ids)),
             "device": m["device"],
