@@ -258,6 +258,9 @@ def cmd_plan(args) -> int:
 
 def cmd_ui(args) -> int:
     root = _enter(args)
+    from .settings import load_settings, settings_path_from_env
+
+    load_settings(settings_path_from_env())  # a bad file fails here, in one line, not in the UI's code location
     # This interpreter's own Dagster: `.venv/bin/eagle3 ui` works without activating the venv.
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
     os.execv(cmd[0], cmd)
@@ -291,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--host", default="127.0.0.1")
     u.set_defaults(func=cmd_ui)
     args = p.parse_args(argv)
-    return args.func(args)
+    from .settings import SettingsError
+
+    try:
+        return args.func(args)
+    except SettingsError as e:  # the user's file is wrong: say how, without a traceback
+        print(f"eagle3 {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
