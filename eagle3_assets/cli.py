@@ -168,25 +168,41 @@ def cmd_history(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", "tokens_per_s", "bytes_on_disk", "model_load_s",
-            "tau")
-    table = [
-        [r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
-        + [_cell(r["metadata"].get(c)) for c in cols[4:]]
-        for r in rows
-    ]
-    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for row in table:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
-    print(f"{len(rows)} materializations")
+    print(history_table(rows))
     return 0
 
 
-def _cell(v) -> str:
+# `tokens_per_s` means something else in each asset's metadata: a column of its own for each.
+RATE_COLUMNS = {"generations": "answer_tok_s", "hidden_states": "extract_tok_s", "drafter": "train_tok_s"}
+HISTORY_COLUMNS = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", *RATE_COLUMNS.values(),
+                   "bytes_on_disk", "model_load_s", "tau")
+
+
+def history_table(rows: list[dict]) -> str:
+    """`eagle3 history`'s table: one meaning per column, tau to 3 decimals, thousands separated."""
+    def cell(r: dict, column: str) -> str:
+        if column in RATE_COLUMNS.values():
+            value = r["metadata"].get("tokens_per_s") if RATE_COLUMNS.get(r["asset"]) == column else None
+            return _cell(value, 0)
+        return _cell(r["metadata"].get(column), 3 if column == "tau" else 1)
+
+    table = [[r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
+             + [cell(r, c) for c in HISTORY_COLUMNS[4:]] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(HISTORY_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(HISTORY_COLUMNS, widths))]
+    lines += ["  ".join(v.rjust(w) if i >= 4 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))) for row in table]
+    lines.append(f"{len(rows)} materializations")
+    return "\n".join(lines)
+
+
+def _cell(v, decimals: int = 1) -> str:
     if v is None:
         return ""
-    return f"{v:,.1f}" if isinstance(v, float) else str(v)
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.{decimals}f}" if isinstance(v, float) else str(v)
 
 
 def cmd_report(args) -> int:
@@ -196,7 +212,9 @@ def cmd_report(args) -> int:
     from .core.report import manifests_summary, throughput_report
     from .definitions import SETTINGS
 
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
+    # The table alone: no shape line, no dtype row; numbers with thousands separators.
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   tbl_hide_column_data_types=True, tbl_hide_dtype_separator=True, thousands_separator=","):
         print("throughput_report (every hidden_states materialization in the instance)")
         print(throughput_report(history(_instance())))
     print("\non disk now (manifests):")
