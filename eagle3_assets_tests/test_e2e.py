@@ -22,6 +22,7 @@ from eagle3_assets.cli import history, summary
 from eagle3_assets.pipeline import run_pipeline
 from eagle3_assets.core.export import validate_for_engine
 from eagle3_assets.core.sample_files import MANIFEST
+from eagle3_assets.core.target import resolve_target
 from eagle3_assets.core.report import manifests_summary, plot_history, throughput_report
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.settings import load_settings
@@ -104,7 +105,11 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     card = (ckpt / "README.md").read_text()
     assert f"tau {ev['tau']:.3f}" in card and f"{sum(hs[k]['samples'] for k in keys):,} samples" in card
     assert "| embedded:sharegpt | 9 |" in card and f"{drafter['steps']:,} steps" in card
-    assert f"--speculative-draft-model-path {drafter['export_sglang']}" in card and '"method": "eagle3"' in card
+    assert "--speculative-draft-model-path ./sglang " in card and '"method": "eagle3"' in card
+    assert "de-quantized from Q4_1 GGUF" in card and "HuggingFaceTB" not in card[card.index("## Serving"):]
+    spec = json.loads((Path(drafter["export_speculators"]) / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(resolve_target(settings.target_model,
+                                                                                         settings.model_cache_dir))
     assert all((Path(drafter[k]) / "README.md").read_text() == card for k in ("export_vllm", "export_sglang", "export_speculators"))
     assert ev["model_card"] == card
     # The learning curve, one observation per logged point, for the UI's plots.

