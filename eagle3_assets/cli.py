@@ -227,37 +227,90 @@ def cmd_report(args) -> int:
 # eagle3 plan
 
 
-def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None) -> dict:
-    """What the extraction of `settings` will write and take (`core/plan.py`), from what exists
-    now: generations, else the prompts table, else the prompt file; rates from `history_rows`."""
+def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None, instance=None) -> dict:
+    """What a run of `settings` will write and take (`core/plan.py`). With `instance`, from what
+    `eagle3 run` would do there: the prompts table on disk only if it would keep it (else the one
+    these settings build), a shard done only if it would not extract it again. Without one,
+    what is on disk counts as current. Times from `history_rows` (same kind of device)."""
     from transformers import AutoConfig
 
+    from .assets.prompts import build_table
     from .checks import sample_layout
     from .core import plan
-    from .core.generate import template_ids
+    from .core.evaluate import load_prompt_set
     from .core.layout import Layout
-    from .core.prompts import read_prompts
-    from .core.target import load_tokenizer, resolve_target
+    from .core.target import pick_device, resolve_target
 
     model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
     layout = sample_layout(settings, AutoConfig.from_pretrained(model_dir).hidden_size)
+    paths = Layout(settings.root)
+    pending = None
+    if instance is not None:
+        from .definitions import build_definitions
+        from .pipeline import Planner, Unit
+
+        planner = Planner(build_definitions(settings), instance, settings, force=False)
+        pending = lambda asset, shard=None: planner.reason(Unit(asset, shard))  # noqa: E731
+    keep_table = paths.prompts.is_file() and (pending is None or pending("prompts") is None)
+    if keep_table:
+        built, note = None, f"the table on disk ({paths.prompts})"
+        length = None
+    else:
+        why = "none on disk" if not paths.prompts.is_file() else pending("prompts")
+        table, length = build_table(settings)
+        built = table.rows
+        note = f"the table these settings build ({len(built):,} prompts; the run rebuilds it: {why})"
     tokenizer = []  # loaded once, when a shard needs it
 
     def prompt_lengths(rows) -> list[int]:
+        if length is not None:
+            return [length(system, prompt) for system, prompt in rows.select("system", "prompt").iter_rows()]
+        from .core.generate import template_ids
+        from .core.target import load_tokenizer
+
         tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
         return [len(template_ids(tokenizer[0], system, prompt)) for system, prompt in rows.select("system", "prompt").iter_rows()]
 
-    def prompt_count() -> int:
-        return len(read_prompts(settings.prompts_source, settings.max_prompts).rows)
-
-    paths = Layout(settings.root)
-    shards = plan.shard_tokens(paths, settings.shard_size, settings.generation.max_new_tokens, settings.max_prompt_tokens,
-                               prompt_lengths, prompt_count)
+    shards = plan.shard_tokens(paths, settings.shard_size, settings.generation.max_new_tokens, prompt_lengths,
+                               built, pending)
+    kinds = {asset: pick_device(section.device).type for asset, section in (
+        ("generations", settings.generation), ("hidden_states", settings.extraction),
+        ("drafter", settings.training), ("drafter_eval", settings.eval))}
     if tokens_per_s:
         rate = plan.Rate(tokens_per_s, 0.0, f"given: --tokens-per-s {tokens_per_s:,.0f}")
     else:
-        rate = plan.measured_rate(history_rows, layout) or plan.ceiling_rate(layout)
-    return plan.make_plan(shards, layout, paths.root / "hidden_states", rate)
+        rate = plan.measured_rate(history_rows, layout, kinds["hidden_states"])
+    extract = [s for s in shards if not _done(s, paths)]
+    generate = [s for s in shards if s.source != "generations"]
+    train = (bool(extract) or not (paths.drafter / "config.json").is_file()
+             or (pending is not None and pending("drafter") is not None))
+    evaluate = train or not paths.drafter_eval.is_file() or (pending is not None and pending("drafter_eval") is not None)
+    total_tokens = sum(s.tokens for s in shards)
+    work = plan.StageWork(
+        kinds=kinds,
+        generate_samples=sum(s.samples for s in generate) * (1 + settings.generation.samples_per_prompt),
+        generate_shards=len(generate),
+        max_new_tokens=settings.generation.max_new_tokens,
+        train_tokens=(int(settings.training.max_steps * settings.training.batch_tokens) if settings.training.max_steps
+                      else int(settings.training.epochs * total_tokens)) if train else None,
+        time_budget_s=settings.training.time_budget_s,
+        eval_prompts=sum(len(load_prompt_set(p, settings.eval.num_prompts)) for p in settings.eval.prompt_sets)
+        if evaluate else None,
+    )
+    extraction_s = None if rate is None and extract else sum(
+        rate.model_load_s + s.tokens / rate.tokens_per_s for s in extract) if extract else 0.0
+    stages = plan.stage_times(history_rows, work, extraction_s,
+                              rate.source if rate else f"unknown: no hidden_states materialization on "
+                                                       f"{kinds['hidden_states']} in the history")
+    result = plan.make_plan(shards, layout, paths.root / "hidden_states", rate, stages)
+    result["prompts_table"] = note
+    return result
+
+
+def _done(shard, paths) -> bool:
+    from .core.sample_files import MANIFEST
+
+    return (paths.hidden_states(shard.shard) / MANIFEST).is_file() and shard.redo is None
 
 
 def cmd_plan(args) -> int:
@@ -265,7 +318,8 @@ def cmd_plan(args) -> int:
     from .core.plan import format_plan
     from .settings import load_settings, settings_path_from_env
 
-    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s)
+    instance = _instance()
+    result = plan_from_settings(load_settings(settings_path_from_env()), history(instance), args.tokens_per_s, instance)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 

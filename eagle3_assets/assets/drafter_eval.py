@@ -12,7 +12,7 @@ from ..core.export import verifier_name
 from ..core.files import atomic_write_text
 from ..core.model_card import CARD_NAME, model_card
 from ..core.report import manifests_summary
-from ..core.target import describe_target, resolve_target
+from ..core.target import describe_target, pick_device, resolve_target
 from ..partitions import shards
 from ..policies import GPU_POOL
 from ..resources import layout
@@ -69,6 +69,7 @@ def build(settings: Settings):
                 "prompt_sets": MetadataValue.json(list(r["sets"])),
                 "workers": r["workers"],
                 "dtype": r["dtype"],
+                "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
                 "acceptance_s": round(r["acceptance_s"], 2),
                 "eval_s": round(r["eval_s"], 2),
                 "path": MetadataValue.path(str(paths.drafter_eval)),
