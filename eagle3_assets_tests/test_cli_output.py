@@ -75,3 +75,45 @@ def test_history_plot_counts_materializations_in_integer_ticks(tmp_path, monkeyp
 def test_gitignore_keeps_dagsters_nux_folder_out():
     p = subprocess.run(["git", "check-ignore", "-q", ".nux/nux.yaml"], cwd=ROOT)
     assert p.returncode == 0
+
+
+# A Dagster asset that runs a Pipes job through `run_job`, as the GPU assets do; run with every
+# warning on, the way a user's terminal shows them.
+PIPES_SCRIPT = r'''
+import sys
+from dagster import AssetExecutionContext, PipesSubprocessClient, asset, materialize
+import eagle3_assets.definitions  # the code location: its assets, checks and policies
+
+JOB = ("from eagle3_assets.core.vocab import VocabConfig; from eagle3_assets.jobs import run_job; "
+       "run_job(VocabConfig, lambda p, log: log('the one line of this event'), "
+       "lambda pipes, p, r: pipes.report_asset_materialization(metadata={}))")
+
+@asset
+def job(context: AssetExecutionContext):
+    return PipesSubprocessClient().run(context=context, command=[sys.executable, "-c", JOB],
+                                       env={"EAGLE3_JOB_PARAMS": "{}"}).get_materialize_result()
+
+assert materialize([job]).success
+'''
+
+
+def test_a_job_line_prints_once_and_no_opted_in_dagster_warning_shows():
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-W", "always", "-c", PIPES_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert out.count("the one line of this event") == 1, out[-3000:]
+    assert "PreviewWarning" not in out and "BetaWarning" not in out, out[-3000:]
+
+
+def test_a_model_load_prints_no_progress_bar_or_expected_load_report(tiny_target, capfd):
+    from eagle3_assets.core.target import load_model
+
+    load_model(tiny_target, "float32", "cpu")
+    load_model(tiny_target, "float32", "cpu", base_only=True)  # lm_head unused on purpose
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "LOAD REPORT" not in err, err

@@ -8,6 +8,7 @@ so every later load is a plain safetensors read (well under a second).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -111,14 +112,16 @@ def _converted(gguf: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_loads():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are de-quantized on load; drop the GGUF marker so the folder saves and
         # reloads as a plain model.
         del model.config.quantization_config
         model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with quiet_loads():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         try:
             tmp.rename(out)  # atomic: a half-converted folder never looks finished
         except OSError:
@@ -183,11 +186,32 @@ def load_model(
 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cls = AutoModel if base_only else AutoModelForCausalLM
-    if tensor_parallel:
-        return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
-    dev = pick_device(device)
-    model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
+    with quiet_loads(base_only):
+        if tensor_parallel:
+            return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
+        dev = pick_device(device)
+        model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
     return model.eval().to(dev)
+
+
+@contextlib.contextmanager
+def quiet_loads(base_only: bool = False):
+    """No progress bar per model load (a run's log keeps one line per event). A base model read
+    from a causal-LM checkpoint leaves its `lm_head` unused on purpose: transformers' load report
+    saying so is silenced too; every other warning stays."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    level = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    if base_only:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
