@@ -114,8 +114,9 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     assert ev["model_card"] == card
     # The learning curve, one observation per logged point, for the UI's plots.
     points = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey("drafter")), limit=1000).records
-    curve = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()} for r in points]
-    assert [p["curve_step"] for p in sorted(curve, key=lambda p: p["curve_step"])] == [p["step"] for p in drafter["learning_curve"]]
+    curve = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()}
+             for r in sorted(points, key=lambda r: r.storage_id)]
+    assert [int(p["curve_step"]) for p in curve] == [p["step"] for p in drafter["learning_curve"]]
     assert all(len([k for k in p if k.startswith("curve_top1_step_")]) == 7 and p["curve_loss"] > 0 for p in curve)
 
     # The throughput history as a table, a chart, and what the manifests say is on disk.
