@@ -104,14 +104,14 @@ def summary(instance, keys: list[str]) -> str:
     for k in keys:
         g, m = _latest(instance, "generations", k), _latest(instance, "hidden_states", k)
         lines.append(
-            f"{k:<18} {m.get('samples', '-'):>8} {_num(g.get('tokens_per_s')):>13} {m.get('tokens', '-'):>10} "
-            f"{_num(m.get('tokens_per_s')):>14} {m.get('bytes_on_disk', '-'):>15}"
+            f"{k:<18} {_num(m.get('samples')):>8} {_num(g.get('tokens_per_s')):>13} {_num(m.get('tokens')):>10} "
+            f"{_num(m.get('tokens_per_s')):>14} {_num(m.get('bytes_on_disk')):>15}"
         )
     d = _latest(instance, "drafter")
     e = _latest(instance, "drafter_eval")
     lines.append(f"drafter: {d.get('path', '-')}  (steps {d.get('steps', '-')}, final loss {d.get('final_loss', '-')})")
     lines.append(
-        f"acceptance length tau: {e.get('tau', '-')} over {e.get('prompts_used', '-')} prompts "
+        f"acceptance length tau: {_cell(e.get('tau'), 3) or '-'} over {e.get('prompts_used', '-')} prompts "
         f"({', '.join(e.get('prompt_sets') or []) or '-'}; K={e.get('num_draft_tokens', '-')}, "
         f"speed-up {e.get('speedup', '-')}x)"
     )

@@ -86,7 +86,8 @@ def describe_target(target: str, model_dir: Path) -> tuple[str, str]:
     for a GGUF, its quantization and the converted folder every stage loads. `model_dir` is
     `resolve_target`'s folder."""
     if not is_gguf(target):
-        return target, f"`{target}` (the weights in `{model_dir}`)"
+        same = Path(target).expanduser().resolve() == Path(model_dir).resolve()
+        return target, f"`{target}`" + ("" if same else f" (the weights in `{model_dir}`)")
     if target.startswith(EMBEDDED_PREFIX):
         name = target[len(EMBEDDED_PREFIX):]
         package, filename = EMBEDDED_MODELS[name]
