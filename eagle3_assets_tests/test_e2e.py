@@ -108,8 +108,8 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     assert "--speculative-draft-model-path ./sglang " in card and '"method": "eagle3"' in card
     assert "de-quantized from Q4_1 GGUF" in card and "HuggingFaceTB" not in card[card.index("## Serving"):]
     spec = json.loads((Path(drafter["export_speculators"]) / "config.json").read_text())
-    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(resolve_target(settings.target_model,
-                                                                                         settings.model_cache_dir))
+    converted = resolve_target(settings.target_model, settings.model_cache_dir)  # the Q4_1 GGUF, de-quantized
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(Path(converted).resolve())
     assert all((Path(drafter[k]) / "README.md").read_text() == card for k in ("export_vllm", "export_sglang", "export_speculators"))
     assert ev["model_card"] == card
     # The learning curve, one observation per logged point, for the UI's plots.
