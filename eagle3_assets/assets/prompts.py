@@ -29,6 +29,32 @@ def data_version(settings: Settings, source_sha256: str | None = None) -> str:
     return hashlib.sha256(f"{sha}:{settings.fingerprint(*SETTINGS_USED)}".encode()).hexdigest()[:16]
 
 
+def build_table(settings: Settings, log=lambda msg: None):
+    """The prompts table these settings make (what the asset writes, and what `eagle3 plan` plans
+    from), and a function giving each row's templated prompt length (computed once, here)."""
+    tok = load_tokenizer(resolve_target(settings.target_model, settings.model_cache_dir))
+    lengths: dict[tuple, int] = {}
+
+    def length(system, prompt) -> int:
+        if (system, prompt) not in lengths:
+            lengths[(system, prompt)] = len(template_ids(tok, system, prompt))
+        return lengths[(system, prompt)]
+
+    def too_long(system, prompt):
+        return length(system, prompt) > settings.max_prompt_tokens
+
+    contaminated = None
+    if settings.decontaminate:
+        from ..core.decontaminate import Decontaminator, eval_texts
+
+        decon = Decontaminator(eval_texts(settings.eval.prompt_sets))
+        contaminated = decon.contaminated
+        log(f"decontamination against {decon.count} evaluation texts of {settings.eval.prompt_sets}")
+    table = read_prompts(settings.prompts_source, settings.max_prompts, too_long, contaminated,
+                         whole_conversations=settings.generation.turns == "all")
+    return table, length
+
+
 def build(settings: Settings):
     paths = layout(settings)
 
@@ -40,20 +66,7 @@ def build(settings: Settings):
         description="Normalized prompts (Parquet, row ids 0..N-1); registers the shard partitions.",
     )
     def prompts(context: AssetExecutionContext) -> MaterializeResult:
-        tok = load_tokenizer(resolve_target(settings.target_model, settings.model_cache_dir))
-
-        def too_long(system, prompt):
-            return len(template_ids(tok, system, prompt)) > settings.max_prompt_tokens
-
-        contaminated = None
-        if settings.decontaminate:
-            from ..core.decontaminate import Decontaminator, eval_texts
-
-            decon = Decontaminator(eval_texts(settings.eval.prompt_sets))
-            contaminated = decon.contaminated
-            context.log.info(f"decontamination against {decon.count} evaluation texts of {settings.eval.prompt_sets}")
-        table = read_prompts(settings.prompts_source, settings.max_prompts, too_long, contaminated,
-                             whole_conversations=settings.generation.turns == "all")
+        table, _ = build_table(settings, log=context.log.info)
         atomic_write_parquet(table.rows, paths.prompts)
 
         keys = shard_keys(len(table.rows), settings.shard_size)

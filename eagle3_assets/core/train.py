@@ -736,8 +736,10 @@ class Progress:
     snapshots: list[dict] = field(default_factory=list)  # the copies written at snapshot_at_s: train_s, step, path
 
 
-def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
-    """Train a drafter until max_steps or the time budget (or a pause) and save it to `job.out_dir`."""
+def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
+                  on_point: Callable[[dict], None] | None = None) -> dict:
+    """Train a drafter until max_steps or the time budget (or a pause) and save it to `job.out_dir`.
+    `on_point(point)` gets each learning-curve point as it is logged (rank 0), to report it live."""
     cfg = job.config
     torch.manual_seed(cfg.seed)
     dist = setup(cfg.device)
@@ -812,6 +814,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
                 progress.curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5), "lr": lr,
                                        "accuracy": [round(a, 4) for a in window_accuracy(window)],
                                        "tokens_seen": progress.tokens_seen})
+                if on_point is not None and dist.main:
+                    on_point(progress.curve[-1])
                 log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
                     f"acc {' '.join(f'{a:.2f}' for a in window_accuracy([tallies]))} | lr {lr:.2e} | "
                     f"grad {float(grad_norm):.2f} | {progress.tokens_seen / elapsed:,.0f} tok/s")
