@@ -285,7 +285,7 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 BATCH_PROMPTS = PROMPTS + ["abc", "a much longer question about the weather in many cities", "x", "hello there, friend"]
 
 
-def _batched_equals_greedy_and_reference(world, drafter, device: str, cuda_graph: bool):
+def _batched_equals_greedy_and_reference(world, drafter, device: str, cuda_graph: bool, static_span: bool = False):
     """In float32, batched speculative decoding (batches of 4: one full, one partial) gives every
     prompt's plain greedy answer and, step by step, the reference decoder's accepted lengths;
     with K = 0 it is plain greedy. Rows end at different times: at an EOS of their own (two
@@ -307,6 +307,7 @@ def _batched_equals_greedy_and_reference(world, drafter, device: str, cuda_graph
                                                                 copy.deepcopy(drafter).to(device))
     dec = SpecDecoder(model, drafter, ids, eos_ids=sorted(eos), max_new_tokens=N, max_draft_tokens=K,
                       max_batch=4, cuda_graph=cuda_graph)
+    dec.static_span = dec.static_span or static_span
     spec, greedy = dec.run(ids, K), dec.run(ids, 0)
     assert [r.tokens for r in spec] == want and [r.tokens for r in greedy] == want
     assert [r.accepted for r in spec] == [r[1] for r in ref]
@@ -321,11 +322,15 @@ def test_batched_speculative_decoding_equals_greedy_and_the_reference_decoder(wo
     assert max(steps) == 3 and min(steps) == 0  # full chains accepted and rejected ones: both paths run
 
 
-def test_batched_speculative_decoding_with_a_random_drafter(world):
+def test_batched_speculative_decoding_with_a_random_drafter_and_the_graphs_static_shapes(world, trained):
+    """A drafter that is mostly rejected; and every step over the whole cache, as the CUDA graph
+    runs it (finished rows keep writing past their length, masked)."""
     torch.manual_seed(2)
     drafter = Eagle3Drafter(DrafterConfig.from_target_config(world["target"].config, 64, AUX),
                             world["target"].model.embed_tokens.weight).eval()
     _batched_equals_greedy_and_reference(world, drafter, "cpu", False)
+    embed, _, _ = load_target_head(world["model_dir"])
+    _batched_equals_greedy_and_reference(world, load_checkpoint(trained["out"], embed), "cpu", False, static_span=True)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graph)")

@@ -29,12 +29,13 @@ step by step, and the output is the target's greedy output.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .drafter import Eagle3Drafter, repeat_kv, rotate_half
+from .drafter import Eagle3Drafter, rotate_half
 from .native_generate import PREFILL_TOKENS, _Engine, _plan, _prefill_sdpa, _rms, native_supported
 
 CHECK_EVERY = 4  # decode steps between two reads of the rows' "active" flags (the only host sync)
@@ -54,6 +55,13 @@ def finish(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[in
         if token in eos_ids:
             return tokens[: i + 1]
     return tokens
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, kv_heads, L, D] -> [B, heads, L, D], each kv head repeated for its query heads (as
+    `repeat_kv`, by expand: no host sync inside a CUDA graph)."""
+    B, kvh, L, D = x.shape
+    return x if kvh == heads else x[:, :, None].expand(B, kvh, heads // kvh, L, D).reshape(B, heads, L, D)
 
 
 class _Runner:
@@ -96,6 +104,9 @@ class SpecDecoder:
         self.eng = _Engine(model, plan, eos_ids, max_new_tokens, False, 1.0, 1.0, "sdpa")
         self.max_batch, self.max_len = plan.slots, plan.max_len
         self.use_graph = cuda_graph and kind == "cuda"
+        # Every step over the whole cache (max_len keys), as the graph does; eagerly the step reads
+        # only up to the longest live row. Tests set it on the CPU to run the graph's shapes.
+        self.static_span = self.use_graph
         self.num_layers = model.config.num_hidden_layers
         self.eos_set = set(eos_ids)
         self.eos = self.eng.eos
@@ -120,7 +131,7 @@ class SpecDecoder:
             self.dv = torch.zeros(shape, dtype=dtype, device=self.device)
             self.d_cos, self.d_sin = drafter.rotary(self.key_idx, dtype)
             self.d_heads, self.d_kv_heads, self.d_head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            self.d_scale = c.head_dim ** -0.5
+            self.d_scale = 1.0 / math.sqrt(c.head_dim)  # as Eagle3Attention: the same bits
             self.d_hidden = c.hidden_size
 
     # -- target -----------------------------------------------------------------------------
@@ -162,7 +173,11 @@ class SpecDecoder:
         """Rows 0..B-1 feed ids [B, T] at positions pos [B, T]: logits [B, T, V], aux [B, T, 3H]."""
         e = self.eng
         cos, sin = e.cos[pos][:, :, None, :], e.sin_signed[pos][:, :, None, :]  # [B, T, 1, D]
+        B, T = ids.shape
+        KVH, D = e.kv_heads, e.head_dim
+        G = e.q_heads // KVH
         mask = self.key_idx[:span][None, None, None, :] <= pos[:, None, :, None]  # [B, 1, T, span]
+        mask = mask.expand(B, G, T, span).reshape(B, 1, G * T, span)  # query rows g * T + t
         rows = self.row_idx[:B, None]
         h = F.embedding(ids, e.embed)
         keep: dict = {}
@@ -173,9 +188,12 @@ class SpecDecoder:
             kc, vc = e.cache[i, 0], e.cache[i, 1]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:B, :, :span], vc[:B, :, :span], attn_mask=mask,
-                                               scale=e.scale, enable_gqa=self.gqa)
-            h = h + F.linear(o.transpose(1, 2).flatten(2), *w["o"])
+            # Grouped-query attention without copying the cache per query head: the G query
+            # heads of a kv head and the T tokens are the G * T query rows of that kv head.
+            q = q.view(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)
+            o = F.scaled_dot_product_attention(q, kc[:B, :, :span], vc[:B, :, :span], attn_mask=mask, scale=e.scale)
+            o = o.view(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, KVH * G * D)
+            h = h + F.linear(o, *w["o"])
             h = h + e._mlp(w, h)
             if want_aux:
                 self._keep(keep, i + 1, h)
@@ -206,8 +224,7 @@ class SpecDecoder:
             keys, values, key_pos = k.transpose(1, 2), v.transpose(1, 2), pos[:, None, None, :]
         else:
             keys, values, key_pos = self.dk[:B, :, :span], self.dv[:B, :, :span], self.key_idx[:span]
-        n_rep = self.d_heads // self.d_kv_heads
-        keys, values = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)
+        keys, values = _expand_kv(keys, self.d_heads), _expand_kv(values, self.d_heads)
         scores = (q @ keys.transpose(2, 3)) * self.d_scale  # [B, H, T, keys]
         scores = scores.masked_fill(key_pos > pos[:, None, :, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -323,7 +340,7 @@ class SpecDecoder:
         r.active.zero_()
         self._prefill(r, seqs)
         if K:
-            self._chain(r, r.h_last, r.L.clone(), self.max_len if self.use_graph else int(r.L.max()) + 1)
+            self._chain(r, r.h_last, r.L.clone(), self.max_len if self.static_span else int(r.L.max()) + 1)
         steps = 0
         while True:
             if steps % CHECK_EVERY == 0 and not bool(r.active.any()):
@@ -333,7 +350,7 @@ class SpecDecoder:
             if r.graph is not None:
                 r.graph.replay()
             else:
-                self._step(r, min(self.max_len, int(r.L.max()) + K + 1))
+                self._step(r, self.max_len if self.static_span else min(self.max_len, int(r.L.max()) + K + 1))
             steps += 1
         n_gen, n_steps = r.n_gen[:n].tolist(), r.n_steps[:n].tolist()
         out, acc = r.out[:n].tolist(), r.acc_log[:n].tolist()
