@@ -276,6 +276,25 @@ def test_speed_ratio_below_one_reads_as_a_slow_down():
     assert speed_text(0.59) == "slow-down 0.59x" and speed_text(1.854) == "speed-up 1.85x"
 
 
+def test_model_card_gives_both_sides_tokens_per_s_per_batch_size(tmp_path):
+    from eagle3_assets.core.model_card import model_card
+
+    training = {"steps": 10, "epochs": 1.0, "tokens_seen": 100, "train_s": 5.0, "processes": 1, "device": "cpu",
+                "stopped_by": "max_steps", "final_loss": 1.0}
+    evaluation = {"tau": 2.5, "prompts_used": 16, "sets": {"mt-bench": {"tau": 2.5, "prompts_used": 16,
+                                                                        "tau_by_category": {"coding": 2.5}}},
+                  "config": {"max_new_tokens": 256}, "dtype": "bfloat16", "cuda_graph": True,
+                  "per_position_acceptance": [0.9, 0.6], "speedup_batches": [1, 16],
+                  "speedup_b1": 1.9, "greedy_tok_s_b1": 700.0, "spec_tok_s_b1": 1330.0, "speedup_prompts_b1": 4,
+                  "speedup_b16": 0.59, "greedy_tok_s_b16": 11000.0, "spec_tok_s_b16": 6490.0,
+                  "speedup_prompts_b16": 16}
+    exports = {k: tmp_path / k for k in ("vllm", "speculators", "sglang")}
+    card = model_card("org/target", {}, [], {}, training, evaluation, exports, 2)
+    assert "| 1 | 4 | 700 | 1,330 | speed-up 1.90x |" in card
+    assert "| 16 | 16 | 11,000 | 6,490 | slow-down 0.59x |" in card
+    assert "bfloat16, CUDA graphs on both sides" in card
+
+
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          tokenize=False)

@@ -111,7 +111,7 @@ def model_card(
     batches = evaluation.get("speedup_batches") or []
     if batches:
         out += ["", "Target tokens per second, speculative against plain greedy decoding in the same batched engine "
-                    f"(ours, {evaluation['dtype']}, CUDA graphs {'on' if evaluation.get('cuda_graph') else 'off'} on "
+                    f"(ours, {evaluation['dtype']}, {'CUDA graphs' if evaluation.get('cuda_graph') else 'eager'} on "
                     "both sides; not a serving engine):", "",
                 _table(["batch", "prompts", "plain greedy tok/s", "speculative tok/s", ""],
                        [[b, evaluation[f"speedup_prompts_b{b}"], f"{evaluation[f'greedy_tok_s_b{b}']:,.0f}",

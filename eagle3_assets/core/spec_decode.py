@@ -29,6 +29,7 @@ step by step, and the output is the target's greedy output.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -134,6 +135,16 @@ class SpecDecoder:
             self.d_scale = 1.0 / math.sqrt(c.head_dim)  # as Eagle3Attention: the same bits
             self.d_hidden = c.hidden_size
 
+    def _verify_sdpa(self):
+        """On CUDA the masked SDPA of the verify step: memory-efficient attention (it takes the
+        mask), else the math one; not cuDNN's, which plans per shape (settled here, but kept out of
+        the graph's way). On the CPU PyTorch's own choice."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
     # -- target -----------------------------------------------------------------------------
 
     def _keep(self, keep: dict, j: int, h: torch.Tensor) -> None:
@@ -191,7 +202,9 @@ class SpecDecoder:
             # Grouped-query attention without copying the cache per query head: the G query
             # heads of a kv head and the T tokens are the G * T query rows of that kv head.
             q = q.view(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)
-            o = F.scaled_dot_product_attention(q, kc[:B, :, :span], vc[:B, :, :span], attn_mask=mask, scale=e.scale)
+            with self._verify_sdpa():
+                o = F.scaled_dot_product_attention(q, kc[:B, :, :span], vc[:B, :, :span], attn_mask=mask,
+                                                   scale=e.scale)
             o = o.view(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, KVH * G * D)
             h = h + F.linear(o, *w["o"])
             h = h + e._mlp(w, h)
