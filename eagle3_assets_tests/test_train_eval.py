@@ -326,7 +326,9 @@ def _batched_equals_greedy_and_reference(world, drafter, device: str, cuda_graph
                                                                 copy.deepcopy(drafter).to(device))
     dec = SpecDecoder(model, drafter, ids, eos_ids=sorted(eos), max_new_tokens=N, max_draft_tokens=K,
                       max_batch=4, cuda_graph=cuda_graph)
-    dec.static_span = dec.static_span or static_span
+    assert dec.use_graph == (device == "cuda" and cuda_graph)
+    if static_span:  # also: prefill in groups of one or two rows (a small prefill token budget)
+        dec.static_span, dec.eng.plan.prefill_tokens = True, 60
     spec, greedy = dec.run(ids, K), dec.run(ids, 0)
     assert [r.tokens for r in spec] == want and [r.tokens for r in greedy] == want
     assert [r.accepted for r in spec] == [r[1] for r in ref]
@@ -343,7 +345,8 @@ def test_batched_speculative_decoding_equals_greedy_and_the_reference_decoder(wo
 
 def test_batched_speculative_decoding_with_a_random_drafter_and_the_graphs_static_shapes(world, trained):
     """A drafter that is mostly rejected; and every step over the whole cache, as the CUDA graph
-    runs it (finished rows keep writing past their length, masked)."""
+    runs it (finished rows keep writing past their length, masked), the prompts prefilled in
+    several groups."""
     torch.manual_seed(2)
     drafter = Eagle3Drafter(DrafterConfig.from_target_config(world["target"].config, 64, AUX),
                             world["target"].model.embed_tokens.weight).eval()
