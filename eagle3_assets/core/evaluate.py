@@ -422,7 +422,7 @@ def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
     eos = eos_token_ids(target, tokenizer)
     ids = [_prompt_ids(tokenizer, p.prompt, "cpu", p.system)[0].tolist() for p in prompts]
     dec = SpecDecoder(target, drafter, ids, eos_ids=eos, max_new_tokens=N, max_draft_tokens=K,
-                      max_batch=cfg.batch_size, cuda_graph=cfg.cuda_graph)
+                      max_batch=cfg.batch_size, cuda_graph=cfg.cuda_graph, log=log)
     dec.runner(min(dec.max_batch, len(ids)), K)  # the graph captured now: load_s counts it
     load_s = time.perf_counter() - t0
 
@@ -451,7 +451,7 @@ def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
         target32, _, drafter32 = _load_pair(job, torch.float32)
         sel = first_set[: cfg.greedy_check_prompts]
         dec32 = SpecDecoder(target32, drafter32, sel, eos_ids=eos, max_new_tokens=N, max_draft_tokens=K,
-                            max_batch=len(sel), cuda_graph=cfg.cuda_graph)
+                            max_batch=len(sel), cuda_graph=cfg.cuda_graph, log=log)
         spec, greedy = dec32.run(sel, K), dec32.run(sel, 0)
         matches = sum(a.tokens == b.tokens for a, b in zip(spec, greedy))
         result.update(greedy_check_matches=matches, greedy_check_prompts=len(sel))

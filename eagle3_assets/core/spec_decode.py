@@ -89,7 +89,7 @@ class SpecDecoder:
 
     def __init__(self, model, drafter: Eagle3Drafter | None, prompts: list[list[int]], *, eos_ids,
                  max_new_tokens: int, max_draft_tokens: int, max_batch: int, cuda_graph: bool = True,
-                 gpu_memory_fraction: float = 0.9, kv_budget_bytes: int | None = None):
+                 gpu_memory_fraction: float = 0.9, kv_budget_bytes: int | None = None, log=lambda msg: None):
         ok, why = native_supported(model)
         if not ok:
             raise ValueError(f"batched speculative decoding does not run this target: {why}")
@@ -105,6 +105,7 @@ class SpecDecoder:
         self.eng = _Engine(model, plan, eos_ids, max_new_tokens, False, 1.0, 1.0, "sdpa")
         self.max_batch, self.max_len = plan.slots, plan.max_len
         self.use_graph = cuda_graph and kind == "cuda"
+        self.log = log
         # Every step over the whole cache (max_len keys), as the graph does; eagerly the step reads
         # only up to the longest live row. Tests set it on the CPU to run the graph's shapes.
         self.static_span = self.use_graph
@@ -313,7 +314,13 @@ class SpecDecoder:
                 r.h_last = r.h_last.to(self.drafter.fc.weight.dtype)
             if self.use_graph:
                 with torch.inference_mode():
-                    self._capture(r)
+                    try:
+                        self._capture(r)
+                    except RuntimeError as e:  # the eager step computes the same; say so and go on
+                        self.log(f"spec decode: CUDA graph capture failed for batch {batch}, K {num_draft_tokens} "
+                                 f"({e}); this decoder runs eagerly")
+                        torch.cuda.synchronize(self.device)
+                        r.graph, self.use_graph, self.static_span = None, False, False
             self.runners[key] = r
         return self.runners[key]
 
@@ -360,7 +367,7 @@ class SpecDecoder:
                 break
             if steps > N + CHECK_EVERY:
                 raise RuntimeError(f"speculative decoding did not finish in {steps} steps (max_new_tokens {N})")
-            if r.graph is not None:
+            if self.use_graph and r.graph is not None:  # graphs on every runner or on none
                 r.graph.replay()
             else:
                 self._step(r, self.max_len if self.static_span else min(self.max_len, int(r.L.max()) + K + 1))
