@@ -337,3 +337,71 @@ def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
     for (name, a), b in zip(eager.named_parameters(), graphed_model.parameters()):
         assert (a - b).norm() <= 2e-2 * a.norm(), name
         assert not torch.equal(a, before[name]), name  # trained
+
+
+@pytest.mark.parametrize("teacher", ["last_hidden", "topk"])
+def test_the_static_step_has_no_data_dependent_shape_or_host_read(teacher):
+    """What a CUDA graph cannot hold, caught on the CPU: every op of the static step's forward,
+    loss, backward and grad clip (the prefix attention aside: flash on CUDA, the host-read
+    math path here) is recorded, and none reads a value back or sizes its output by the data."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eagle3_assets.core import drafter
+    from eagle3_assets.core.train import fill_static, packed_forward_on_device, static_buffers
+
+    bad = {"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique_dim",
+           "aten::_unique2", "aten::repeat_interleave"}
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name in bad or (name == "aten::index" and any(
+                    i is not None and i.dtype == torch.bool for i in args[1])):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    model = make_drafter().train()
+    lm_head = torch.randn(TINY_VOCAB, 64)
+    cfg = TrainConfig(ttt_steps=3, attention="math", batch_tokens=90, max_length=23, loss_chunk_tokens=32)
+    batch = pack_batch(make_samples(teacher, False))
+    static = static_buffers(batch, 90, 12, torch.device("cpu"))
+    fill_static(static, batch, 23)
+    draft_head = lm_head[model.t2d]
+    prefix = (drafter._math_prefix_forward, drafter._math_prefix_backward)
+
+    def unrecorded(f):
+        def run(*a, **k):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return f(*a, **k)
+        return run
+
+    drafter._math_prefix_forward, drafter._math_prefix_backward = (unrecorded(f) for f in prefix)
+    try:
+        with Record():
+            loss, _, _ = packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg,
+                                                  torch.device("cpu"), "math", 23, static=True, draft_head=draft_head)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    finally:
+        drafter._math_prefix_forward, drafter._math_prefix_backward = prefix
+    assert seen == []
+    with Record():  # the test can fail: the dynamic path selects its rows by nonzero()
+        packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg, torch.device("cpu"), "math", 23,
+                                 draft_head=draft_head)
+    assert "aten::nonzero" in seen
+
+
+def test_a_state_saved_without_the_graph_loads_into_the_capturable_optimizer():
+    from eagle3_assets.core.train import make_graph_capturable
+
+    model = torch.nn.Linear(3, 2)
+    eager = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model(torch.randn(4, 3)).sum().backward()
+    eager.step()
+    resumed = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1.0), capturable=False)
+    resumed.load_state_dict(eager.state_dict())
+    make_graph_capturable(resumed, torch.device("cpu"))
+    group = resumed.param_groups[0]
+    assert group["capturable"] and torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(3e-4)
+    assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 1 for s in resumed.state.values())

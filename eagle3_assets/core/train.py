@@ -395,11 +395,12 @@ def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Ten
 
 @torch.no_grad()
 def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
-                   chunk_tokens: int = 4096) -> PackedTeacher:
-    """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V]."""
+                   chunk_tokens: int = 4096, draft_head: torch.Tensor | None = None) -> PackedTeacher:
+    """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V].
+    `draft_head`: lm_head[t2d], made beforehand (a CUDA graph cannot make it: its size is data)."""
     if "last_hidden_state" in batch:
         flat = batch["last_hidden_state"].to(lm_head.dtype)
-        draft_head = lm_head[t2d]
+        draft_head = lm_head[t2d] if draft_head is None else draft_head
         logits, in_draft = [], []
         for start in range(0, flat.shape[0], chunk_tokens):
             h = flat[start : start + chunk_tokens]
@@ -729,12 +730,13 @@ def run_forward_packed(model, target_head: torch.Tensor, t2d: torch.Tensor, draf
 
 
 def packed_forward_on_device(model, target_head, t2d, draft_vocab_size: int, batch: dict, cfg: TrainConfig, device,
-                             impl: str, max_len: int, static: bool = False):
+                             impl: str, max_len: int, static: bool = False, draft_head: torch.Tensor | None = None):
     """The packed forward and loss on a row whose tensors and geometry are on the device.
     `static` (the CUDA graph's step): every row goes through the head, and autocast keeps no
-    cache of cast weights (a graph must recast them on every replay)."""
+    cache of cast weights (a graph must recast them on every replay); `draft_head` as in
+    `packed_teacher`."""
     batch = dequantize_features(batch)
-    teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size)
+    teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size, draft_head=draft_head)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda",
                         cache_enabled=not static):
@@ -833,9 +835,12 @@ class GraphedStep:
         if not (torch.is_tensor(self.lr) and self.lr.device == device and optimizer.param_groups[0]["capturable"]):
             raise ValueError("GraphedStep needs an AdamW with capturable=True and lr a device tensor (graph_optimizer)")
 
+        draft_head = target_head[t2d]  # frozen: made once, outside the graph
+
         def step():
             loss, losses, tallies = packed_forward_on_device(model, target_head, t2d, draft_vocab_size, self.static, cfg,
-                                                             device, "flash", self.max_len, static=True)
+                                                             device, "flash", self.max_len, static=True,
+                                                             draft_head=draft_head)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
