@@ -838,9 +838,9 @@ class GraphedStep:
         draft_head = target_head[t2d]  # frozen: made once, outside the graph
 
         def step():
-            loss, losses, tallies = packed_forward_on_device(model, target_head, t2d, draft_vocab_size, self.static, cfg,
-                                                             device, "flash", self.max_len, static=True,
-                                                             draft_head=draft_head)
+            loss, losses, tallies = packed_forward_on_device(
+                model, target_head, t2d, draft_vocab_size, self.static, cfg, device, "flash", self.max_len,
+                static=True, draft_head=draft_head)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
