@@ -13,7 +13,9 @@ prints steps/s, real tokens/s and peak memory of each path after a warm-up, and 
 difference of loss and gradients of the two on one batch (the padded plan's first batch,
 packed for the new path; both in bf16 autocast, so they agree to bf16 rounding, not to 1e-5:
 exactness in float32 is eagle3_assets_tests/test_train_fast.py). `--device cpu --tiny` runs
-the same steps on a tiny shape (a smoke test).
+the same steps on a tiny shape (a smoke test). On CUDA a row "packed + CUDA graph"
+(`training.cuda_graph`: the whole step captured once, replayed per batch; capture and its
+warm-up are outside the timing) follows; `--only graph` times that row alone.
 """
 
 from __future__ import annotations
@@ -35,15 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3_assets.core import drafter as drafter_module  # noqa: E402
 from eagle3_assets.core.drafter import DrafterConfig  # noqa: E402
 from eagle3_assets.core.train import (  # noqa: E402
+    GraphedStep,
     TrainConfig,
     _batch_from_cache,
     attention_impl,
+    graph_optimizer,
     pack_batch,
     pad_batch,
     place_draft_model,
     plan_epoch,
     run_backward_and_update,
     run_forward,
+    static_segments,
 )
 
 GPU_SHAPE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, draft_vocab=17920,
@@ -98,18 +103,26 @@ def sync(device: torch.device) -> None:
 
 def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int) -> dict:
     model = copy.deepcopy(model0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     packed = cfg.attention != "padded"
-    plan = plan_epoch(refs, cfg.batch_tokens, None, random.Random(cfg.seed), packed)
+    plan = plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), packed)
     batches = [_batch_from_cache(b, cache, packed) for b in plan[: warmup + steps]]
     if len(batches) < warmup + steps:
         raise SystemExit(f"{name}: {len(batches)} batches in the data, need {warmup + steps}: raise --samples")
     losses = []
+    if cfg.cuda_graph:
+        optimizer = graph_optimizer(model, cfg, device)
+        graphed = GraphedStep(model, lm_head, model.t2d, shape["draft_vocab"], cfg, device, optimizer, batches[0],
+                              static_segments(refs, cfg, 1))
 
-    def step(batch):
-        loss, _, _ = run_forward(model, lm_head, model.t2d, shape["draft_vocab"], batch, cfg, device)
-        run_backward_and_update(loss, model, optimizer, cfg.lr, cfg)
-        losses.append(loss.detach())
+        def step(batch):
+            losses.append(graphed(batch, cfg.lr)[0])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+
+        def step(batch):
+            loss, _, _ = run_forward(model, lm_head, model.t2d, shape["draft_vocab"], batch, cfg, device)
+            run_backward_and_update(loss, model, optimizer, cfg.lr, cfg)
+            losses.append(loss.detach())
 
     for batch in batches[:warmup]:
         step(batch)
@@ -122,7 +135,7 @@ def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, devic
     sync(device)
     elapsed = time.perf_counter() - t0
     real = sum(int(b["lengths"].sum()) for b in batches[warmup:])
-    slots = sum(b["input_ids"].numel() for b in batches[warmup:])
+    slots = (cfg.batch_tokens * steps if cfg.cuda_graph else sum(b["input_ids"].numel() for b in batches[warmup:]))
     params = sum(p.numel() for p in model.parameters())
     attention = attention_impl(cfg, device)
     if attention == "flash" and not drafter_module._Flash.ok:
@@ -169,6 +182,8 @@ def main() -> None:
     ap.add_argument("--skip-old", action="store_true", help="time only the new path")
     ap.add_argument("--no-compile", action="store_true",
                     help="skip the third path (the new one with training.compile: the loss math under torch.compile)")
+    ap.add_argument("--only", choices=["graph"], default=None,
+                    help="time only the CUDA-graph rows (packed + CUDA graph, and with compile unless --no-compile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -192,13 +207,24 @@ def main() -> None:
 
     results = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                "torch": torch.__version__, "shape": shape, "mean_length": mean_len, "warmup": warmup, "paths": []}
-    results["same_batch"] = compare_on_one_batch(cfg_old, cfg_new, model0, lm_head, refs, cache, shape, device)
-    print(f"same batch: loss old {results['same_batch']['loss_old']:.5f} new {results['same_batch']['loss_new']:.5f} "
-          f"(rel diff {results['same_batch']['loss_rel_diff']:.2e}), gradient rel diff "
-          f"{results['same_batch']['grad_rel_diff']:.2e}", flush=True)
+    if args.only is None:
+        results["same_batch"] = compare_on_one_batch(cfg_old, cfg_new, model0, lm_head, refs, cache, shape, device)
+        print(f"same batch: loss old {results['same_batch']['loss_old']:.5f} new "
+              f"{results['same_batch']['loss_new']:.5f} (rel diff {results['same_batch']['loss_rel_diff']:.2e}), "
+              f"gradient rel diff {results['same_batch']['grad_rel_diff']:.2e}", flush=True)
     paths = [("old (padded)", cfg_old), ("new (packed)", cfg_new)]
     if device.type == "cuda" and not args.no_compile:
         paths.append(("new + compile", dataclasses.replace(cfg_new, compile=True)))
+    if device.type == "cuda":
+        # max_length: the data's longest sample (nothing is cut), FlashAttention's fixed max_seqlen
+        cfg_graph = dataclasses.replace(cfg_new, cuda_graph=True, max_length=shape["max_len"])
+        paths.append(("packed + CUDA graph", cfg_graph))
+        if not args.no_compile:
+            paths.append(("packed + compile + CUDA graph", dataclasses.replace(cfg_graph, compile=True)))
+    if args.only == "graph":
+        paths = [(n, c) for n, c in paths if c.cuda_graph]
+        if not paths:
+            raise SystemExit("--only graph needs a CUDA device")
     for name, cfg in paths:
         if args.skip_old and cfg is cfg_old:
             continue
@@ -207,11 +233,11 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 (a failed compile is reported, not the end of the table)
             if cfg is cfg_old or cfg is cfg_new:
                 raise
-            results["errors"] = {name: f"{type(e).__name__}: {e}"[:2000]}
+            results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if not args.skip_old:
+    if not args.skip_old and args.only is None:
         base = results["paths"][0]["tokens_per_s"]
         for r in results["paths"]:
             r["speedup"] = r["tokens_per_s"] / base

@@ -222,3 +222,186 @@ def test_a_snapshot_at_the_time_budget_is_written_with_the_final_weights(tiny_ta
     assert result["stopped"] == "time_budget"
     [snap] = result["snapshots"]
     assert snap["step"] == result["steps"] and (tmp_path / "drafter" / "snapshots" / "t00000.050").is_dir()
+
+
+def static_loss_and_grads(model, lm_head, samples, tokens: int, segments: int, **cfg):
+    """`loss_and_grads` on the static row of the CUDA-graph step (run eagerly, math attention)."""
+    from eagle3_assets.core.train import fill_static, packed_forward_on_device, static_buffers, static_max_len
+
+    cfg = TrainConfig(ttt_steps=4, loss_decay=0.8, attention="math", batch_tokens=tokens, **cfg)
+    batch = pack_batch(samples)
+    static = static_buffers(batch, tokens, segments, torch.device("cpu"))
+    fill_static(static, batch, static_max_len(cfg))
+    model.zero_grad(set_to_none=True)
+    loss, losses, tallies = packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg,
+                                                     torch.device("cpu"), "math", static_max_len(cfg), static=True)
+    loss.backward()
+    return loss.item(), torch.stack(losses), tallies, {n: p.grad.clone() for n, p in model.named_parameters()}, static
+
+
+@pytest.mark.parametrize("teacher,fp8,max_length,cut", [("last_hidden", False, None, 0), ("topk", False, 23, 0),
+                                                        ("last_hidden", True, 23, 5)])
+def test_the_static_row_of_the_cuda_graph_step_gives_the_packed_loss_and_gradients(teacher, fp8, max_length, cut):
+    """A row padded to batch_tokens (a padding segment, cut in pieces of max_len, and zero-length
+    segments in cu_seqlens) trains exactly like the dynamic packed row; `cut` > 0: batch_tokens
+    ends inside the last sample, which then counts as truncated there."""
+    model = make_drafter().train()
+    with torch.no_grad():
+        model.midlayer.self_attn.q_proj.weight.mul_(8)
+        model.midlayer.self_attn.k_proj.weight.mul_(8)
+    lm_head = torch.randn(TINY_VOCAB, 64)
+    samples = make_samples(teacher, fp8)
+    real = sum(LENGTHS)
+    tokens = real - cut if cut else real + 30
+    if cut:  # the dynamic reference: the last sample truncated by hand
+        samples = samples[:-1] + [{k: v[: LENGTHS[-1] - cut] for k, v in samples[-1].items()}]
+    old = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
+    segments = len(LENGTHS) + 2 + 3  # 3 slack entries of length 0
+    new = static_loss_and_grads(model, lm_head, make_samples(teacher, fp8), tokens, segments, loss_chunk_tokens=13,
+                                max_length=max_length)
+    cu = new[4]["cu_seqlens"].tolist()
+    assert len(cu) == segments + 1 and cu[-1] == tokens and cu[-1] == cu[-2]  # zero-length entries at the end
+    if max_length and not cut:
+        assert [b - a for a, b in zip(cu, cu[1:])][len(LENGTHS):len(LENGTHS) + 2] == [23, 7]  # the padding, in pieces
+    assert new[0] == pytest.approx(old[0], rel=1e-6, abs=1e-6)
+    assert torch.allclose(new[1], old[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(new[2], old[2]) and int(old[2][:, 1].sum()) > 0
+    for name, g in old[3].items():
+        assert torch.allclose(new[3][name], g, rtol=1e-6, atol=1e-6), (name, (new[3][name] - g).abs().max())
+
+
+def test_static_row_lengths_and_a_row_with_too_many_samples():
+    from eagle3_assets.core.train import static_lengths
+
+    got = static_lengths(torch.tensor([5, 9, 4]), tokens=30, segments=7, max_len=9)
+    assert got.tolist() == [5, 9, 4, 9, 3, 0, 0]
+    assert static_lengths(torch.tensor([5, 9, 4]), tokens=12, segments=3, max_len=9).tolist() == [5, 7, 0]
+    with pytest.raises(ValueError, match="more than the static row's 4"):
+        static_lengths(torch.tensor([5, 9, 4]), tokens=40, segments=4, max_len=9)
+
+
+def test_cuda_graph_without_cuda_is_a_clear_error(tiny_target, tmp_path):
+    from eagle3_assets.core.train import TrainJob, check_cuda_graph, train_drafter
+    from eagle3_assets_tests.test_train_job import setup
+
+    params = setup(tiny_target, tmp_path)
+    cfg = TrainConfig(max_steps=1, batch_tokens=128, ttt_steps=2, cuda_graph=True, device="cpu")
+    with pytest.raises(ValueError, match="training.cuda_graph needs a CUDA device"):
+        train_drafter(TrainJob(**params, config=cfg), log=lambda m: None)
+    with pytest.raises(ValueError, match="needs the packed flash attention"):
+        check_cuda_graph(TrainConfig(attention="padded"), "padded", torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="one process"):
+        check_cuda_graph(TrainConfig(), "flash", torch.device("cuda"), 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
+    """N replays of the captured step (AdamW capturable, lr a device tensor) against the same
+    static-row steps run eagerly: the same losses and weights, to bf16 rounding; the capture's
+    warm-up leaves the weights and optimizer state as they were."""
+    from eagle3_assets.core.train import (GraphedStep, fill_static, graph_optimizer, packed_forward_on_device,
+                                          run_backward_and_update, static_buffers, static_max_len)
+
+    device = torch.device("cuda")
+    cfg = TrainConfig(ttt_steps=3, batch_tokens=96, max_length=32, cuda_graph=True, loss_chunk_tokens=40)
+    lm_head = torch.randn(TINY_VOCAB, 64, device=device)
+    batches = []
+    for seed in range(4):
+        samples = [{k: v[:32].cuda() for k, v in s.items()} for s in make_samples("last_hidden", False, seed)]
+        batches.append(pack_batch(samples[:4]))
+    lrs = [1e-3, 2e-3, 1.5e-3, 1e-3]
+    segments = 4 + 3 + 2
+
+    torch.manual_seed(0)
+    eager = make_drafter().train().to(device)
+    graphed_model = make_drafter().train().to(device)
+    graphed_model.load_state_dict(eager.state_dict())
+    before = {k: v.clone() for k, v in graphed_model.state_dict().items()}
+    optimizer = graph_optimizer(graphed_model, cfg, device)
+    step = GraphedStep(graphed_model, lm_head, graphed_model.t2d, DRAFT_VOCAB, cfg, device, optimizer, batches[0],
+                       segments)
+    for k, v in graphed_model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # the warm-up steps are undone
+    assert all(float(s["step"]) == 0 for s in optimizer.state.values())
+
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    static = static_buffers(batches[0], cfg.batch_tokens, segments, device)
+    for batch, lr in zip(batches, lrs):
+        fill_static(static, batch, static_max_len(cfg))
+        loss, _, tallies = packed_forward_on_device(eager, lm_head, eager.t2d, DRAFT_VOCAB, static, cfg, device,
+                                                    "flash", static_max_len(cfg), static=True)
+        run_backward_and_update(loss, eager, eager_opt, lr, cfg)
+        g_loss, g_losses, g_tallies, g_norm = step(batch, lr)
+        assert float(g_loss) == pytest.approx(loss.item(), rel=2e-2)
+        assert torch.equal(g_tallies[:, 1], tallies[:, 1])
+    for (name, a), b in zip(eager.named_parameters(), graphed_model.parameters()):
+        assert (a - b).norm() <= 2e-2 * a.norm(), name
+        assert not torch.equal(a, before[name]), name  # trained
+
+
+@pytest.mark.parametrize("teacher", ["last_hidden", "topk"])
+def test_the_static_step_has_no_data_dependent_shape_or_host_read(teacher):
+    """What a CUDA graph cannot hold, caught on the CPU: every op of the static step's forward,
+    loss, backward and grad clip (the prefix attention aside: flash on CUDA, the host-read
+    math path here) is recorded, and none reads a value back or sizes its output by the data."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eagle3_assets.core import drafter
+    from eagle3_assets.core.train import fill_static, packed_forward_on_device, static_buffers
+
+    bad = {"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique_dim",
+           "aten::_unique2", "aten::repeat_interleave"}
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name in bad or (name == "aten::index" and any(
+                    i is not None and i.dtype == torch.bool for i in args[1])):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    model = make_drafter().train()
+    lm_head = torch.randn(TINY_VOCAB, 64)
+    cfg = TrainConfig(ttt_steps=3, attention="math", batch_tokens=90, max_length=23, loss_chunk_tokens=32)
+    batch = pack_batch(make_samples(teacher, False))
+    static = static_buffers(batch, 90, 12, torch.device("cpu"))
+    fill_static(static, batch, 23)
+    draft_head = lm_head[model.t2d]
+    prefix = (drafter._math_prefix_forward, drafter._math_prefix_backward)
+
+    def unrecorded(f):
+        def run(*a, **k):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return f(*a, **k)
+        return run
+
+    drafter._math_prefix_forward, drafter._math_prefix_backward = (unrecorded(f) for f in prefix)
+    try:
+        with Record():
+            loss, _, _ = packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg,
+                                                  torch.device("cpu"), "math", 23, static=True, draft_head=draft_head)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    finally:
+        drafter._math_prefix_forward, drafter._math_prefix_backward = prefix
+    assert seen == []
+    with Record():  # the test can fail: the dynamic path selects its rows by nonzero()
+        packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg, torch.device("cpu"), "math", 23,
+                                 draft_head=draft_head)
+    assert "aten::nonzero" in seen
+
+
+def test_a_state_saved_without_the_graph_loads_into_the_capturable_optimizer():
+    from eagle3_assets.core.train import make_graph_capturable
+
+    model = torch.nn.Linear(3, 2)
+    eager = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model(torch.randn(4, 3)).sum().backward()
+    eager.step()
+    resumed = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1.0), capturable=False)
+    resumed.load_state_dict(eager.state_dict())
+    make_graph_capturable(resumed, torch.device("cpu"))
+    group = resumed.param_groups[0]
+    assert group["capturable"] and torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(3e-4)
+    assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 1 for s in resumed.state.values())

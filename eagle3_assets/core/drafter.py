@@ -308,6 +308,8 @@ def _math_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     with torch.autocast(q.device.type, enabled=False):  # float32 also under a bf16 autocast
         for s, e in geo.bounds:
+            if e == s:  # a zero-length segment (a static row's slack entries)
+                continue
             _math_prefix_sample(q, k, v, s, e, n_rep, scale, out, lse)
     return out, lse
 
@@ -329,6 +331,8 @@ def _math_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: f
     n_rep = q.shape[1] // k.shape[1]
     dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
     for s, e in geo.bounds:
+        if e == s:
+            continue
         qs = q[s:e].float().transpose(0, 1)
         ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
         do, o = dout[s:e].float().transpose(0, 1), out[s:e].float().transpose(0, 1)
