@@ -218,7 +218,8 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     from .core import plan
     from .core.generate import template_ids
     from .core.layout import Layout
-    from .core.prompts import read_prompts
+    from .core.prompts import _quota, as_sources, read_prompts
+    from .core.self_prompts import SELF_WRITTEN
     from .core.target import load_tokenizer, resolve_target
 
     model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
@@ -230,11 +231,17 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
         return [len(template_ids(tokenizer[0], system, prompt)) for system, prompt in rows.select("system", "prompt").iter_rows()]
 
     def prompt_count() -> int:
-        return len(read_prompts(settings.prompts_source, settings.max_prompts).rows)
+        # generator:self is written in the prompts step; until then count its cap (what it will make)
+        entries = as_sources(settings.prompts_source)
+        read = [e for e in entries if e.source != SELF_WRITTEN]
+        n = len(read_prompts(read, settings.max_prompts).rows) if read else 0
+        n += sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
+        return min(n, settings.max_prompts) if settings.max_prompts else n
 
     paths = Layout(settings.root)
-    shards = plan.shard_tokens(paths, settings.shard_size, settings.generation.max_new_tokens, settings.max_prompt_tokens,
-                               prompt_lengths, prompt_count)
+    gen = settings.generation
+    shards = plan.shard_tokens(paths, settings.shard_size, gen.max_new_tokens, settings.max_prompt_tokens,
+                               prompt_lengths, prompt_count, gen.samples_per_prompt, gen.turns == "all")
     if tokens_per_s:
         rate = plan.Rate(tokens_per_s, 0.0, f"given: --tokens-per-s {tokens_per_s:,.0f}")
     else:

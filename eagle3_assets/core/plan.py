@@ -63,14 +63,19 @@ def shard_tokens(
     max_prompt_tokens: int,
     prompt_lengths: Callable[[pl.DataFrame], list[int]],
     prompt_count: Callable[[], int],
+    samples_per_prompt: int = 0,
+    all_turns: bool = False,
 ) -> list[ShardTokens]:
     """Samples and tokens of every shard, from the best source there is (see the module doc).
     `prompt_lengths(rows)` gives the templated prompt length of each prompts-table row;
-    `prompt_count()` the number of usable prompts in the prompt file."""
+    `prompt_count()` the number of usable prompts in the prompt file. Each prompt makes
+    1 + `samples_per_prompt` samples; with `all_turns` a conversation with later turns is bounded
+    by `max_prompt_tokens` + `max_new_tokens` (its last turn's prompt holds the whole history)."""
+    per_prompt = 1 + samples_per_prompt
     if not paths.prompts.is_file():
         n = prompt_count()
         per_sample = max_prompt_tokens + max_new_tokens
-        return [ShardTokens(k, (e - s), (e - s) * per_sample, "prompt_count")
+        return [ShardTokens(k, (e - s) * per_prompt, (e - s) * per_prompt * per_sample, "prompt_count")
                 for k in shard_keys(n, shard_size) for s, e in [shard_range(k)]]
     prompts = pl.read_parquet(paths.prompts)
     out = []
@@ -81,8 +86,13 @@ def shard_tokens(
             out.append(ShardTokens(key, len(lengths), int(lengths.sum()), "generations"))
         else:
             start, end = shard_range(key)
-            lengths = prompt_lengths(prompts.filter(pl.col("row_id").is_between(start, end, closed="left")))
-            out.append(ShardTokens(key, len(lengths), sum(lengths) + len(lengths) * max_new_tokens, "prompt_lengths"))
+            rows = prompts.filter(pl.col("row_id").is_between(start, end, closed="left"))
+            lengths = prompt_lengths(rows)
+            if all_turns and "later_turns" in rows.columns:
+                later = rows["later_turns"].list.len().fill_null(0).to_list()
+                lengths = [max_prompt_tokens if n else length for length, n in zip(lengths, later)]
+            out.append(ShardTokens(key, len(lengths) * per_prompt,
+                                   (sum(lengths) + len(lengths) * max_new_tokens) * per_prompt, "prompt_lengths"))
     return out
 
 
