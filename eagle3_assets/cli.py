@@ -196,6 +196,7 @@ def cmd_report(args) -> int:
     from .core.report import manifests_summary, throughput_report
     from .definitions import SETTINGS
 
+    print_drafters(history(_instance()))
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
         print("throughput_report (every hidden_states materialization in the instance)")
         print(throughput_report(history(_instance())))
@@ -203,6 +204,15 @@ def cmd_report(args) -> int:
     for shard, samples, tokens, nbytes in manifests_summary(SETTINGS.root / "hidden_states"):
         print(f"  {shard}: {samples} samples, {tokens:,} tokens, {nbytes:,} bytes of sample files")
     return 0
+
+
+def print_drafters(rows: list[dict]) -> None:
+    """Every drafter_eval materialization compared: tau per set and category, the data, the
+    training, and the settings changed since the drafter before (`core/report.py`)."""
+    from .core.report import drafter_rows, format_comparison
+
+    print(format_comparison(drafter_rows(rows)))
+    print()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--json", action="store_true")
     h.add_argument("--plot", metavar="PATH", help="write a PNG chart of tokens/s and bytes per shard")
     h.set_defaults(func=cmd_history)
-    rp = sub.add_parser("report", help="throughput_report: per shard runs, tokens/s (latest, best), bytes")
+    rp = sub.add_parser("report", help="every drafter compared (tau per set and category, data, training, settings "
+                                       "changed); throughput per shard: runs, tokens/s (latest, best), bytes")
     rp.set_defaults(func=cmd_report)
     u = sub.add_parser("ui", help="the Dagster UI (webserver + daemon) on the same instance")
     u.add_argument("--settings")
