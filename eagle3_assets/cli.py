@@ -219,7 +219,8 @@ def print_drafters(rows: list[dict]) -> None:
 # eagle3 plan
 
 
-def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None) -> dict:
+def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None,
+                       exact_prompts: bool = True) -> dict:
     """What the extraction of `settings` will write and take (`core/plan.py`), from what exists
     now: generations, else the prompts table, else the prompt file; rates from `history_rows`."""
     from transformers import AutoConfig
@@ -228,7 +229,9 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     from .core import plan
     from .core.generate import template_ids
     from .core.layout import Layout
-    from .core.prompts import _quota, as_sources, read_prompts
+    import polars as pl
+
+    from .core.prompts import PROMPTS_SCHEMA, _quota, as_sources, read_prompts
     from .core.self_prompts import SELF_WRITTEN
     from .core.target import load_tokenizer, resolve_target
 
@@ -236,22 +239,55 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     layout = sample_layout(settings, AutoConfig.from_pretrained(model_dir).hidden_size)
     tokenizer = []  # loaded once, when a shard needs it
 
+    gen = settings.generation
+    cfg = settings.self_prompts
+
     def prompt_lengths(rows) -> list[int]:
+        """Each row's prompt tokens, an upper bound: with every turn answered, each turn templated
+        on its own (the system turn counted each time) and a full answer per earlier turn."""
         tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
-        return [len(template_ids(tokenizer[0], system, prompt)) for system, prompt in rows.select("system", "prompt").iter_rows()]
+        tok, out = tokenizer[0], []
+        all_turns = gen.turns == "all" and "later_turns" in rows.columns
+        for row in rows.iter_rows(named=True):
+            if row.get("source") == SELF_WRITTEN and not row["prompt"]:  # not written yet: its longest
+                n = len(template_ids(tok, None, "")) + cfg.max_tokens
+            else:
+                n = len(template_ids(tok, row["system"], row["prompt"]))
+            for turn in (row["later_turns"] or []) if all_turns else []:
+                n += gen.max_new_tokens + len(template_ids(tok, row["system"], turn))
+            out.append(min(n, settings.max_prompt_tokens))
+        return out
+
+    entries = as_sources(settings.prompts_source)
 
     def prompt_count() -> int:
         # generator:self is written in the prompts step; until then count its cap (what it will make)
-        entries = as_sources(settings.prompts_source)
         read = [e for e in entries if e.source != SELF_WRITTEN]
         n = len(read_prompts(read, settings.max_prompts).rows) if read else 0
         n += sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
         return min(n, settings.max_prompts) if settings.max_prompts else n
 
+    def prompt_table():
+        """The prompts as the prompts step reads them (without decontamination, which only drops);
+        generator:self rows as empty placeholders, its cap of them."""
+        tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
+        tok = tokenizer[0]
+        too_long = lambda system, prompt: len(template_ids(tok, system, prompt)) > settings.max_prompt_tokens  # noqa: E731
+        read = [e for e in entries if e.source != SELF_WRITTEN]
+        parts = [read_prompts(read, settings.max_prompts, too_long, whole_conversations=gen.turns == "all").rows] if read else []
+        n_self = sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
+        if n_self:
+            parts.append(pl.DataFrame({"row_id": [0] * n_self, "system": [None] * n_self, "prompt": [""] * n_self,
+                                       "later_turns": [[]] * n_self, "source": [SELF_WRITTEN] * n_self,
+                                       "source_index": list(range(n_self))}, schema=PROMPTS_SCHEMA))
+        table = pl.concat(parts)
+        table = table.head(settings.max_prompts) if settings.max_prompts else table
+        return table.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("row_id"))
+
     paths = Layout(settings.root)
-    gen = settings.generation
     shards = plan.shard_tokens(paths, settings.shard_size, gen.max_new_tokens, settings.max_prompt_tokens,
-                               prompt_lengths, prompt_count, gen.samples_per_prompt, gen.turns == "all")
+                               prompt_lengths, prompt_count, gen.samples_per_prompt,
+                               prompt_table if exact_prompts else None)
     if tokens_per_s:
         rate = plan.Rate(tokens_per_s, 0.0, f"given: --tokens-per-s {tokens_per_s:,.0f}")
     else:
@@ -264,7 +300,8 @@ def cmd_plan(args) -> int:
     from .core.plan import format_plan
     from .settings import load_settings, settings_path_from_env
 
-    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s)
+    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s,
+                                exact_prompts=not args.quick)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 
@@ -295,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     pl_.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
     pl_.add_argument("--json", action="store_true")
     pl_.add_argument("--tokens-per-s", type=float, help="extraction rate to plan with (default: the last measured one)")
+    pl_.add_argument("--quick", action="store_true",
+                     help="before the prompts step: count the prompts instead of reading their lengths (a looser bound)")
     pl_.set_defaults(func=cmd_plan)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")

@@ -200,6 +200,12 @@ def test_stale_assets_rerun_and_select_and_force_choose_what_runs(tiny_target, t
     assert forced["samples_resumed"] == 0 and forced["tokens_extracted"] == forced["tokens"] > 0  # redone, not kept
     with pytest.raises(AssertionError, match="unknown asset 'hidden_state'"):
         eagle3_run(project, "--select", "hidden_state")
+    # Another storage_root (one experiment after another on one instance): what is not there is made there.
+    settings["storage_root"] = "data2"
+    (project / "eagle3.yaml").write_text(yaml.safe_dump(settings))
+    out = eagle3_run(project, "--select", "prompts,generations")
+    assert f"-> prompts: materialized, but {project / 'data2' / 'prompts' / 'prompts.parquet'} is not there" in out
+    assert (project / "data2" / "generations" / f"{SHARDS[0]}.parquet").is_file()
 
 
 def _all(project: Path, asset: str, partition: str) -> list[dict]:

@@ -77,13 +77,24 @@ def test_plan_on_the_demo_uses_the_best_token_source_there_is(tmp_path):
     settings = load_settings().model_copy(update={"storage_root": str(tmp_path / "data")})  # the embedded demo
     paths = Layout(settings.root)
 
-    plan = plan_from_settings(settings, [])  # no prompts table yet: from the prompt count
+    plan = plan_from_settings(settings, [], exact_prompts=False)  # no prompts table yet: from the prompt count
     assert [s["shard"] for s in plan["shards"]] == ["rows_00000-00048", "rows_00048-00096", "rows_00096-00144"]
     assert plan["layout"]["bytes_per_token"] == 4 + 1 + 8 * 576 == 4613  # SmolLM2: hidden 576
     per_sample = settings.max_prompt_tokens + settings.generation.max_new_tokens
     assert all(s["source"] == "prompt_count" and s["tokens"] == 48 * per_sample for s in plan["shards"])
     assert plan["total"]["bytes"] == 144 * per_sample * 4613 + 144 * HEADER_BYTES_PER_FILE
     assert plan["fits"] and plan["free_bytes"] > 0 and "disk ceiling" in plan["rate_source"]
+
+    # by default the prompts as the prompts step will read them: their templated lengths, a tighter bound
+    table = plan_from_settings(settings, [])
+    assert [s["source"] for s in table["shards"]] == ["prompt_table"] * 3
+    assert sum(s["samples"] for s in table["shards"]) == 144 and table["total"]["tokens"] < plan["total"]["tokens"]
+    # every turn and a sampled answer per prompt: twice the samples, and the later turns counted
+    more = settings.model_copy(update={"generation": dataclasses.replace(settings.generation, turns="all",
+                                                                         samples_per_prompt=1)})
+    more_plan = plan_from_settings(more, [])
+    assert sum(s["samples"] for s in more_plan["shards"]) == 288
+    assert more_plan["total"]["tokens"] > 2 * table["total"]["tokens"]  # the demo's prompts have later turns
 
     from eagle3_assets.core.prompts import read_prompts
 

@@ -7,8 +7,12 @@ checks and the shard check compares with the disk.
 
 Tokens come from the best source there is, named per shard:
 - "generations": the shard's generations file (exact);
-- "prompt_lengths": the prompts table's templated prompt lengths + `max_new_tokens` per sample
-  (an upper bound: answers may stop before `max_new_tokens`);
+- "prompt_lengths": the prompts table's templated prompt lengths + `max_new_tokens` per answer
+  (an upper bound: answers may stop before `max_new_tokens`; with `generation.turns: all`, each
+  turn's templated length and an answer per earlier turn, at most `max_prompt_tokens`), times
+  1 + `samples_per_prompt`;
+- "prompt_table": no prompts table yet: the table as the prompts step would read it (before
+  decontamination; a `generator:self` row counts `self_prompts.max_tokens`), bounded as above;
 - "prompt_count": no prompts table yet: the prompt file's usable prompts x (`max_prompt_tokens`
   + `max_new_tokens`) (a loose upper bound; materialize `prompts` for a closer one).
 
@@ -37,6 +41,8 @@ DISK_CEILING_BYTES_PER_S = 1.30e9
 TOKEN_SOURCES = {
     "generations": "the shard's generations (exact)",
     "prompt_lengths": "templated prompt lengths + max_new_tokens per sample (an upper bound)",
+    "prompt_table": "no prompts table yet: the prompts as the prompts step reads them (not decontaminated), "
+                    "templated lengths + max_new_tokens per answer (an upper bound)",
     "prompt_count": "no prompts table yet: prompts x (max_prompt_tokens + max_new_tokens) (a loose upper bound)",
 }
 
@@ -64,35 +70,34 @@ def shard_tokens(
     prompt_lengths: Callable[[pl.DataFrame], list[int]],
     prompt_count: Callable[[], int],
     samples_per_prompt: int = 0,
-    all_turns: bool = False,
+    prompt_table: Callable[[], pl.DataFrame | None] | None = None,
 ) -> list[ShardTokens]:
     """Samples and tokens of every shard, from the best source there is (see the module doc).
-    `prompt_lengths(rows)` gives the templated prompt length of each prompts-table row;
-    `prompt_count()` the number of usable prompts in the prompt file. Each prompt makes
-    1 + `samples_per_prompt` samples; with `all_turns` a conversation with later turns is bounded
-    by `max_prompt_tokens` + `max_new_tokens` (its last turn's prompt holds the whole history)."""
+    `prompt_lengths(rows)` gives the prompt tokens of each prompts-table row (with every turn
+    answered: its turns' and earlier answers', at most `max_prompt_tokens`); `prompt_count()` the
+    number of usable prompts in the prompt file; `prompt_table()`, when given, the prompts table as
+    the prompts step would make it, used while there is none on disk. Each prompt makes
+    1 + `samples_per_prompt` samples."""
     per_prompt = 1 + samples_per_prompt
-    if not paths.prompts.is_file():
+    table = prompt_table() if prompt_table is not None and not paths.prompts.is_file() else None
+    if table is None and not paths.prompts.is_file():
         n = prompt_count()
         per_sample = max_prompt_tokens + max_new_tokens
         return [ShardTokens(k, (e - s) * per_prompt, (e - s) * per_prompt * per_sample, "prompt_count")
                 for k in shard_keys(n, shard_size) for s, e in [shard_range(k)]]
-    prompts = pl.read_parquet(paths.prompts)
+    prompts = table if table is not None else pl.read_parquet(paths.prompts)
+    source = "prompt_table" if table is not None else "prompt_lengths"
     out = []
     for key in shard_keys(len(prompts), shard_size):
         generations = paths.generations(key)
-        if generations.is_file():
+        if table is None and generations.is_file():
             lengths = pl.read_parquet(generations, columns=["input_ids"])["input_ids"].list.len()
             out.append(ShardTokens(key, len(lengths), int(lengths.sum()), "generations"))
         else:
             start, end = shard_range(key)
-            rows = prompts.filter(pl.col("row_id").is_between(start, end, closed="left"))
-            lengths = prompt_lengths(rows)
-            if all_turns and "later_turns" in rows.columns:
-                later = rows["later_turns"].list.len().fill_null(0).to_list()
-                lengths = [max_prompt_tokens if n else length for length, n in zip(lengths, later)]
+            lengths = prompt_lengths(prompts.filter(pl.col("row_id").is_between(start, end, closed="left")))
             out.append(ShardTokens(key, len(lengths) * per_prompt,
-                                   (sum(lengths) + len(lengths) * max_new_tokens) * per_prompt, "prompt_lengths"))
+                                   (sum(lengths) + len(lengths) * max_new_tokens) * per_prompt, source))
     return out
 
 
