@@ -99,3 +99,21 @@ def test_prompts_asset_writes_self_written_prompts_with_their_licence(writer_tar
     assert prompts.data_version(settings) != prompts.data_version(other)
     plain = settings.model_copy(update={"prompts_source": "embedded:sharegpt"})
     assert prompts.settings_used(plain) == prompts.SETTINGS_USED
+
+
+@pytest.mark.e2e
+def test_smollm2_writes_requests_as_its_users_would():
+    """The real SmolLM2-135M-Instruct (ChatML): the user prefix ends with `<|im_start|>user`, a request
+    ends at `<|im_end|>`, and what it writes reads as a request (16 s of CPU; e.g. "What are the top 5
+    acts that define the DIY art of eco-destruction?")."""
+    from eagle3_assets.core.target import EMBEDDED_MODEL, resolve_target
+
+    model_dir = resolve_target(EMBEDDED_MODEL)
+    tok = load_tokenizer(model_dir)
+    before, after = user_prefix(tok)
+    assert before.endswith("<|im_start|>user\n") and after.startswith("<|im_end|>")
+    cfg = SelfPromptsConfig(min_tokens=3, max_tokens=64, batch=8)
+    t = read_prompts([_self(3, seed=0)], self_writer=SelfWriter(GEN, cfg, model_dir, "SmolLM2"))
+    prompts = t.rows["prompt"].to_list()
+    assert len(prompts) == 3 and all("<|im" not in p and p == p.strip() for p in prompts)
+    assert all(len(words(p)) >= 2 for p in prompts)
