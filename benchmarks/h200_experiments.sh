@@ -26,7 +26,6 @@ for v in "$@"; do [ -f "benchmarks/h200_exp_$v.yaml" ] || { echo "no benchmarks/
 SESSION_LOG=experiments_session.log
 source benchmarks/device_env.sh
 stamp "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1); disk: $(df -h /tmp | tail -1)"
-e3() { python3 -m eagle3_assets.cli "$@"; }
 
 for v in "$@"; do
   settings=benchmarks/h200_exp_$v.yaml
