@@ -17,6 +17,12 @@ tensor parallelism runs) to the table, with tokens/s and bytes per token:
 
     PYTHONPATH=. python benchmarks/extract_throughput.py --arch qwen3_moe --skip-durable --json $OUT/moe.json
 
+`--fp32-slice` (MoE) first compares a 4-layer float32 slice of the shape with transformers, in
+float32 and in bf16 (issue 21: <= 1e-4, and at most 1.5x transformers' own bf16 error); `--int4`
+(MoE) last re-runs the forward and the engine with the routed experts in Kimi-K2's INT4
+(compressed-tensors pack-quantized, group 32), dequantized per layer: memory held beside bf16.
+`benchmarks/h200_moe.sh` runs both shapes that way in one device call.
+
 `--model DIR --generations FILE[,FILE...]` measures the engine on a real target and the rows of
 real `generations` shards instead (the model loaded as the extraction job loads it, one warm-up
 forward, then the engine with files written): the reference that `eagle3 run`'s per-shard
@@ -47,10 +53,20 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+JSON_PATH: list[Path] = []  # --json: rewritten after every row, so a run cut by its time limit keeps what it measured
+
+
+def save_json() -> None:
+    if JSON_PATH:
+        JSON_PATH[0].parent.mkdir(parents=True, exist_ok=True)
+        JSON_PATH[0].write_text(json.dumps(RESULTS, indent=2))
+
+
 def row(name: str, tok_s: float, note: str = "") -> None:
     ROWS.append((name, tok_s, note))
     RESULTS[name] = {"tokens_per_s": tok_s, "note": note}
     log(f"  -> {name}: {tok_s:,.0f} tok/s {note}")
+    save_json()
 
 
 def sync(dev):
@@ -313,6 +329,126 @@ def check_against_hf(model, samples, aux_ids, out: Path, dtype, batch_tokens, fp
     return res
 
 
+def slice_check(arch: str, dev, layers: int = 4, tiny: bool = False, lengths=(700, 300, 180, 41)) -> dict:
+    """Issue 21's check of the full-width shape: a `layers`-layer slice (random weights, the shape's
+    widths, experts and routing) built in float32, a pack of `lengths` samples. Our packed forward
+    against transformers' `output_hidden_states`, both float32 (relative error, the worst sample);
+    then both in bf16 against transformers' float32: ours may be at most 1.5x transformers' own."""
+    from transformers import AutoModel
+
+    from eagle3_assets.core.moe import moe_path
+
+    cfg = moe_config(arch, tiny)
+    cfg.num_hidden_layers = layers
+    if hasattr(cfg, "mlp_only_layers"):
+        cfg.mlp_only_layers = []
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    with torch.device(dev):
+        base = AutoModel.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+        for name, b in base.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.02)
+    aux_ids = [1, layers // 2, layers]
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, cfg.vocab_size, (t,), generator=g).tolist() for t in lengths]
+
+    # The experts each token was routed to, per MoE layer (the router's top-k, in token order): a
+    # token whose scores are nearly tied may pick another expert under bf16 rounding, a discrete
+    # jump in its hidden state that shows as error; the share of such tokens says how much.
+    routes: list[torch.Tensor] = []
+    gates = [layer.mlp.gate for layer in base.layers if hasattr(layer.mlp, "gate")]
+    for gate in gates:
+        gate.register_forward_hook(lambda m, args, out: routes.append(out[2].sort(-1).values.cpu()))
+
+    def by_layer(samples: int) -> list[torch.Tensor]:  # per-sample runs: sample-major -> per layer, token order
+        return [torch.cat([routes[i * len(gates) + g] for i in range(samples)]) for g in range(len(gates))]
+
+    def hf(m):
+        out = []
+        routes.clear()
+        with torch.inference_mode():
+            for ids in seqs:
+                hs = m(input_ids=torch.tensor([ids], device=dev), output_hidden_states=True).hidden_states
+                out.append(torch.cat([hs[j][0] for j in aux_ids], -1).float())
+        return out, by_layer(len(seqs))
+
+    def ours(m, dtype):
+        routes.clear()
+        aux, _ = lean_forward(m, seqs, aux_ids, dtype)
+        bounds = torch.tensor([0] + list(lengths)).cumsum(0).tolist()
+        return [aux[bounds[i]:bounds[i + 1]].float() for i in range(len(seqs))], list(routes)
+
+    rel = lambda a, b: max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))  # noqa: E731
+    rerouted = lambda a, b: sum((x != y).any(-1).sum().item() for x, y in zip(a, b)) / sum(len(x) for x in b)  # noqa: E731
+    # float32: transformers' per-expert loop (its grouped_mm kernels are made for bf16); bf16 below: its default
+    default_experts = base.config._experts_implementation
+    base.set_experts_implementation("eager")
+    ref, ref_routes = hf(base)
+    base.set_experts_implementation(default_experts)
+    mine, mine_routes = ours(base, torch.float32)
+    res = {"arch": arch, "layers": layers, "tokens": sum(lengths), "ours_fp32_vs_hf_fp32": rel(mine, ref),
+           "ours_fp32_rerouted": rerouted(mine_routes, ref_routes)}
+    base = base.to(torch.bfloat16)
+    mine, mine_routes = ours(base, torch.bfloat16)
+    theirs, their_routes = hf(base)
+    res["moe_path_bf16"] = moe_path(torch.device(dev), torch.bfloat16)
+    res["hf_experts_bf16"] = base.config._experts_implementation
+    res["ours_bf16_vs_hf_fp32"] = rel(mine, ref)
+    res["hf_bf16_vs_hf_fp32"] = rel(theirs, ref)
+    res["ours_bf16_vs_hf_bf16"] = rel(mine, theirs)  # what the full-model check compares (0.43 on DeepSeek-V3's shape)
+    res["bf16_ratio"] = res["ours_bf16_vs_hf_fp32"] / res["hf_bf16_vs_hf_fp32"]
+    # share of (token, MoE layer) routings that differ from the float32 forward's
+    res["ours_bf16_rerouted"] = rerouted(mine_routes, ref_routes)
+    res["hf_bf16_rerouted"] = rerouted(their_routes, ref_routes)
+    res["pass"] = res["ours_fp32_vs_hf_fp32"] <= 1e-4 and res["bf16_ratio"] <= 1.5
+    del base
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def int4_variant(base, samples, aux_ids, args, dev, out: Path, meta: dict) -> dict:
+    """The same model with its routed experts in Kimi-K2's INT4 (compressed-tensors pack-quantized,
+    group 32; `quantized.quantize_experts`), dequantized per layer in the forward: memory held and
+    tokens/s beside the bf16 rows."""
+    from eagle3_assets.core.quantized import Int4Group, held_bytes, quantize_experts
+
+    res = {"bf16_held_bytes": held_bytes(base)}
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        res["bf16_cuda_allocated"] = torch.cuda.memory_allocated(dev)
+    t0 = time.perf_counter()
+    quantize_experts(base, Int4Group(32), experts_per_chunk=args.experts_per_chunk)
+    sync(dev)
+    res["quantize_s"] = time.perf_counter() - t0
+    res["int4_held_bytes"] = held_bytes(base)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        res["int4_cuda_allocated"] = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    tokens = sum(len(s[1]) for s in samples)
+    t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
+    row("INT4 experts: engine forward only, no saving", tokens / t,
+        f"{t:.1f} s, weights {res['int4_held_bytes'] / 1e9:.1f} GB held (bf16: {res['bf16_held_bytes'] / 1e9:.1f} GB)")
+    d = reset_dir(out / "engine_int4")
+    t0 = time.perf_counter()
+    extract_samples(base, samples, d, aux_layer_ids=aux_ids, dtype=torch.bfloat16, batch_tokens=args.batch_tokens,
+                    writer_threads=args.writer_threads, metadata=meta, staging_buffers=args.staging_buffers)
+    t = time.perf_counter() - t0
+    assert len(list(d.glob("*.safetensors"))) == len(samples)
+    row("INT4 experts: our engine, files written", tokens / t, f"{t:.1f} s")
+    shutil.rmtree(d, ignore_errors=True)
+    if dev.type == "cuda":
+        res["int4_cuda_peak"] = torch.cuda.max_memory_allocated(dev)
+    log(f"INT4 variant: {json.dumps(res)}")
+    return res
+
+
 def load_test(model, d: Path, dev) -> dict:
     from transformers import AutoModel
 
@@ -362,6 +498,10 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="comma-separated pack sizes: also time the lean forward at these")
     ap.add_argument("--model", help="a real target folder (with --generations): the engine on real shards' rows")
     ap.add_argument("--generations", help="comma-separated generations Parquet files (with --model)")
+    ap.add_argument("--fp32-slice", action="store_true",
+                    help="MoE: first compare a 4-layer float32 slice of the shape with transformers (issue 21, item 1)")
+    ap.add_argument("--int4", action="store_true", help="MoE: last, the same model with INT4 experts (memory, tok/s)")
+    ap.add_argument("--experts-per-chunk", type=int, default=None, help="INT4: experts dequantized at a time (default all)")
     args = ap.parse_args()
     if args.model:
         return same_data_as_shards(args)
@@ -371,6 +511,8 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     out = Path(args.out_dir)
     RESULTS["args"] = vars(args)
+    if args.json:
+        JSON_PATH.append(Path(args.json))
     RESULTS["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     RESULTS["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
@@ -380,6 +522,10 @@ def main() -> None:
     log(f"{RESULTS['date']}  device {RESULTS['device']}  torch {torch.__version__}  transformers {transformers.__version__}")
 
     moe = args.arch != "llama"
+    if moe and args.fp32_slice:
+        RESULTS["fp32_slice"] = slice_check(args.arch, dev, tiny=args.tiny)
+        log(f"4-layer slice: {json.dumps(RESULTS['fp32_slice'])}")
+        save_json()
     model = build_model(args.tiny, dev, args.arch)
     base = model.model
     n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
@@ -476,6 +622,10 @@ def main() -> None:
     if peers:
         RESULTS["speedup_vs_peers"] = (tokens / t_files) / peers["tokens_per_s"]
 
+    if moe and args.int4:
+        RESULTS["int4"] = int4_variant(base, samples, aux_ids, args, dev, out, meta)
+        save_json()
+
     if args.load_test:
         lt = load_test(model, out / "ckpt", dev)
         shard_tokens = 2000 * RESULTS["mean_tokens"]
@@ -486,6 +636,11 @@ def main() -> None:
         RESULTS["load"] = lt
         log(f"load: {json.dumps(lt)}")
 
+    if moe:
+        from eagle3_assets.core.moe import moe_path
+
+        RESULTS["moe_path"] = moe_path(dev, dtype)  # grouped_mm, or the per-expert loop and why
+        log(f"MoE experts: {RESULTS['moe_path']}")
     log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
     for name, v, note in ROWS:
         log(f"| {name} | {v:,.0f} | {note} |")
@@ -544,6 +699,11 @@ def same_data_as_shards(args) -> None:
         row(f"{Path(path).stem}: ENGINE, files written", tokens / t, f"{len(samples)} samples, {tokens:,} tokens, {t:.2f} s")
         RESULTS["shards"][Path(path).stem] = {"samples": len(samples), "tokens": tokens, "engine_s": t}
         shutil.rmtree(d, ignore_errors=True)
+    if moe:
+        from eagle3_assets.core.moe import moe_path
+
+        RESULTS["moe_path"] = moe_path(dev, dtype)  # grouped_mm, or the per-expert loop and why
+        log(f"MoE experts: {RESULTS['moe_path']}")
     log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
     for name, v, note in ROWS:
         log(f"| {name} | {v:,.0f} | {note} |")

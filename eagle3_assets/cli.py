@@ -104,14 +104,14 @@ def summary(instance, keys: list[str]) -> str:
     for k in keys:
         g, m = _latest(instance, "generations", k), _latest(instance, "hidden_states", k)
         lines.append(
-            f"{k:<18} {m.get('samples', '-'):>8} {_num(g.get('tokens_per_s')):>13} {m.get('tokens', '-'):>10} "
-            f"{_num(m.get('tokens_per_s')):>14} {m.get('bytes_on_disk', '-'):>15}"
+            f"{k:<18} {_num(m.get('samples')):>8} {_num(g.get('tokens_per_s')):>13} {_num(m.get('tokens')):>10} "
+            f"{_num(m.get('tokens_per_s')):>14} {_num(m.get('bytes_on_disk')):>15}"
         )
     d = _latest(instance, "drafter")
     e = _latest(instance, "drafter_eval")
     lines.append(f"drafter: {d.get('path', '-')}  (steps {d.get('steps', '-')}, final loss {d.get('final_loss', '-')})")
     lines.append(
-        f"acceptance length tau: {e.get('tau', '-')} over {e.get('prompts_used', '-')} prompts "
+        f"acceptance length tau: {_cell(e.get('tau'), 3) or '-'} over {e.get('prompts_used', '-')} prompts "
         f"({', '.join(e.get('prompt_sets') or []) or '-'}; K={e.get('num_draft_tokens', '-')}, "
         f"speed-up {e.get('speedup', '-')}x)"
     )
@@ -168,25 +168,41 @@ def cmd_history(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", "tokens_per_s", "bytes_on_disk", "model_load_s",
-            "tau")
-    table = [
-        [r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
-        + [_cell(r["metadata"].get(c)) for c in cols[4:]]
-        for r in rows
-    ]
-    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for row in table:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
-    print(f"{len(rows)} materializations")
+    print(history_table(rows))
     return 0
 
 
-def _cell(v) -> str:
+# `tokens_per_s` means something else in each asset's metadata: a column of its own for each.
+RATE_COLUMNS = {"generations": "answer_tok_s", "hidden_states": "extract_tok_s", "drafter": "train_tok_s"}
+HISTORY_COLUMNS = ("timestamp", "asset", "partition", "run_id", "samples", "tokens", *RATE_COLUMNS.values(),
+                   "bytes_on_disk", "model_load_s", "tau")
+
+
+def history_table(rows: list[dict]) -> str:
+    """`eagle3 history`'s table: one meaning per column, tau to 3 decimals, thousands separated."""
+    def cell(r: dict, column: str) -> str:
+        if column in RATE_COLUMNS.values():
+            value = r["metadata"].get("tokens_per_s") if RATE_COLUMNS.get(r["asset"]) == column else None
+            return _cell(value, 0)
+        return _cell(r["metadata"].get(column), 3 if column == "tau" else 1)
+
+    table = [[r["timestamp"][:19], r["asset"], r["partition"] or "", r["run_id"][:8]]
+             + [cell(r, c) for c in HISTORY_COLUMNS[4:]] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(HISTORY_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(HISTORY_COLUMNS, widths))]
+    lines += ["  ".join(v.rjust(w) if i >= 4 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))) for row in table]
+    lines.append(f"{len(rows)} materializations")
+    return "\n".join(lines)
+
+
+def _cell(v, decimals: int = 1) -> str:
     if v is None:
         return ""
-    return f"{v:,.1f}" if isinstance(v, float) else str(v)
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.{decimals}f}" if isinstance(v, float) else str(v)
 
 
 def cmd_report(args) -> int:
@@ -197,7 +213,9 @@ def cmd_report(args) -> int:
     from .definitions import SETTINGS
 
     print_drafters(history(_instance()))
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
+    # The table alone: no shape line, no dtype row; numbers with thousands separators.
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   tbl_hide_column_data_types=True, tbl_hide_dtype_separator=True, thousands_separator=","):
         print("throughput_report (every hidden_states materialization in the instance)")
         print(throughput_report(history(_instance())))
     print("\non disk now (manifests):")
@@ -219,80 +237,114 @@ def print_drafters(rows: list[dict]) -> None:
 # eagle3 plan
 
 
-def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None,
-                       exact_prompts: bool = True) -> dict:
-    """What the extraction of `settings` will write and take (`core/plan.py`), from what exists
-    now: generations, else the prompts table, else the prompt file; rates from `history_rows`."""
+def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None, instance=None,
+                       quick: bool = False) -> dict:
+    """What a run of `settings` will write and take (`core/plan.py`). With `instance`, from what
+    `eagle3 run` would do there: the prompts table on disk only if it would keep it (else the one
+    these settings build), a shard done only if it would not extract it again. Without one,
+    what is on disk counts as current. Times from `history_rows` (same kind of device). `quick`:
+    a table to build is built without a tokenizer, each prompt counted at `max_prompt_tokens`."""
     from transformers import AutoConfig
 
+    from .assets.prompts import build_table
     from .checks import sample_layout
     from .core import plan
-    from .core.generate import template_ids
+    from .core.evaluate import load_prompt_set
     from .core.layout import Layout
-    import polars as pl
-
-    from .core.prompts import PROMPTS_SCHEMA, _quota, as_sources, read_prompts
     from .core.self_prompts import SELF_WRITTEN
-    from .core.target import load_tokenizer, resolve_target
+    from .core.target import pick_device, resolve_target
 
     model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
     layout = sample_layout(settings, AutoConfig.from_pretrained(model_dir).hidden_size)
+    paths = Layout(settings.root)
+    pending = None
+    if instance is not None:
+        from .definitions import build_definitions
+        from .pipeline import Planner, Unit
+
+        planner = Planner(build_definitions(settings), instance, settings, force=False)
+        pending = lambda asset, shard=None: planner.reason(Unit(asset, shard))  # noqa: E731
+    keep_table = paths.prompts.is_file() and (pending is None or pending("prompts") is None)
+    quick_table = quick and not keep_table  # --quick changes only a table still to build
+    if keep_table:
+        built, note = None, f"the table on disk ({paths.prompts})"
+        length = None
+    else:
+        why = "none on disk" if not paths.prompts.is_file() else pending("prompts")
+        table, length = build_table(settings, quick=quick)  # generator:self's rows: placeholders
+        built = table.rows
+        note = (f"the table these settings build ({len(built):,} prompts{', not tokenized (--quick)' if quick else ''}; "
+                f"the run rebuilds it: {why})")
     tokenizer = []  # loaded once, when a shard needs it
 
+    def templated(system, prompt) -> int:
+        if length is not None:
+            return length(system, prompt)
+        from .core.generate import template_ids
+        from .core.target import load_tokenizer
+
+        tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
+        return len(template_ids(tokenizer[0], system, prompt))
+
     gen = settings.generation
-    cfg = settings.self_prompts
 
     def prompt_lengths(rows) -> list[int]:
         """Each row's prompt tokens, an upper bound: with every turn answered, each turn templated
         on its own (the system turn counted each time) and a full answer per earlier turn."""
-        tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
-        tok, out = tokenizer[0], []
+        if quick_table:
+            return [settings.max_prompt_tokens] * len(rows)
+        out = []
         all_turns = gen.turns == "all" and "later_turns" in rows.columns
         for row in rows.iter_rows(named=True):
             if row.get("source") == SELF_WRITTEN and not row["prompt"]:  # not written yet: its longest
-                n = len(template_ids(tok, None, "")) + cfg.max_tokens
+                n = templated(None, "") + settings.self_prompts.max_tokens
             else:
-                n = len(template_ids(tok, row["system"], row["prompt"]))
+                n = templated(row["system"], row["prompt"])
             for turn in (row["later_turns"] or []) if all_turns else []:
-                n += gen.max_new_tokens + len(template_ids(tok, row["system"], turn))
+                n += gen.max_new_tokens + templated(row["system"], turn)
             out.append(min(n, settings.max_prompt_tokens))
         return out
 
-    entries = as_sources(settings.prompts_source)
-
-    def prompt_count() -> int:
-        # generator:self is written in the prompts step; until then count its cap (what it will make)
-        read = [e for e in entries if e.source != SELF_WRITTEN]
-        n = len(read_prompts(read, settings.max_prompts).rows) if read else 0
-        n += sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
-        return min(n, settings.max_prompts) if settings.max_prompts else n
-
-    def prompt_table():
-        """The prompts as the prompts step reads them (without decontamination, which only drops);
-        generator:self rows as empty placeholders, its cap of them."""
-        tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
-        tok = tokenizer[0]
-        too_long = lambda system, prompt: len(template_ids(tok, system, prompt)) > settings.max_prompt_tokens  # noqa: E731
-        read = [e for e in entries if e.source != SELF_WRITTEN]
-        parts = [read_prompts(read, settings.max_prompts, too_long, whole_conversations=gen.turns == "all").rows] if read else []
-        n_self = sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
-        if n_self:
-            parts.append(pl.DataFrame({"row_id": [0] * n_self, "system": [None] * n_self, "prompt": [""] * n_self,
-                                       "later_turns": [[]] * n_self, "source": [SELF_WRITTEN] * n_self,
-                                       "source_index": list(range(n_self))}, schema=PROMPTS_SCHEMA))
-        table = pl.concat(parts)
-        table = table.head(settings.max_prompts) if settings.max_prompts else table
-        return table.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("row_id"))
-
-    paths = Layout(settings.root)
-    shards = plan.shard_tokens(paths, settings.shard_size, gen.max_new_tokens, settings.max_prompt_tokens,
-                               prompt_lengths, prompt_count, gen.samples_per_prompt,
-                               prompt_table if exact_prompts else None)
+    shards = plan.shard_tokens(paths, settings.shard_size, gen.max_new_tokens, prompt_lengths, built, pending,
+                               gen.samples_per_prompt, "prompt_count" if quick_table else "prompt_lengths")
+    kinds = {asset: pick_device(section.device).type for asset, section in (
+        ("generations", settings.generation), ("hidden_states", settings.extraction),
+        ("drafter", settings.training), ("drafter_eval", settings.eval))}
     if tokens_per_s:
         rate = plan.Rate(tokens_per_s, 0.0, f"given: --tokens-per-s {tokens_per_s:,.0f}")
     else:
-        rate = plan.measured_rate(history_rows, layout) or plan.ceiling_rate(layout)
-    return plan.make_plan(shards, layout, paths.root / "hidden_states", rate)
+        rate = plan.measured_rate(history_rows, layout, kinds["hidden_states"])
+    extract = [s for s in shards if not _done(s, paths)]
+    generate = [s for s in shards if s.source != "generations"]
+    train = (bool(extract) or not (paths.drafter / "config.json").is_file()
+             or (pending is not None and pending("drafter") is not None))
+    evaluate = train or not paths.drafter_eval.is_file() or (pending is not None and pending("drafter_eval") is not None)
+    total_tokens = sum(s.tokens for s in shards)
+    work = plan.StageWork(
+        kinds=kinds,
+        generate_samples=sum(s.samples for s in generate),  # 1 + samples_per_prompt per prompt, counted per shard
+        generate_shards=len(generate),
+        max_new_tokens=settings.generation.max_new_tokens,
+        train_tokens=(int(settings.training.max_steps * settings.training.batch_tokens) if settings.training.max_steps
+                      else int(settings.training.epochs * total_tokens)) if train else None,
+        time_budget_s=settings.training.time_budget_s,
+        eval_prompts=sum(len(load_prompt_set(p, settings.eval.num_prompts)) for p in settings.eval.prompt_sets)
+        if evaluate else None,
+    )
+    extraction_s = None if rate is None and extract else sum(
+        rate.model_load_s + s.tokens / rate.tokens_per_s for s in extract) if extract else 0.0
+    stages = plan.stage_times(history_rows, work, extraction_s,
+                              rate.source if rate else f"unknown: no hidden_states materialization on "
+                                                       f"{kinds['hidden_states']} in the history")
+    result = plan.make_plan(shards, layout, paths.root / "hidden_states", rate, stages)
+    result["prompts_table"] = note
+    return result
+
+
+def _done(shard, paths) -> bool:
+    from .core.sample_files import MANIFEST
+
+    return (paths.hidden_states(shard.shard) / MANIFEST).is_file() and shard.redo is None
 
 
 def cmd_plan(args) -> int:
@@ -300,10 +352,42 @@ def cmd_plan(args) -> int:
     from .core.plan import format_plan
     from .settings import load_settings, settings_path_from_env
 
-    result = plan_from_settings(load_settings(settings_path_from_env()), history(_instance()), args.tokens_per_s,
-                                exact_prompts=not args.quick)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    settings = load_settings(settings_path_from_env())
+    instance = _instance()
+    result = plan_from_settings(settings, history(instance), args.tokens_per_s, instance, args.quick)
+    if getattr(args, "gpus", None):
+        try:
+            result["gpu_plan"] = gpu_plan_from_settings(settings, result, args.gpus, args.gpu_memory_gb * 1e9)
+        except ValueError as e:  # not an MoE target, or a checkpoint we cannot size
+            print(f"eagle3 plan --gpus: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from .core.plan import format_gpu_plan
+
+        print(format_plan(result) + ("\n" + format_gpu_plan(result["gpu_plan"]) if "gpu_plan" in result else ""))
     return 0
+
+
+def gpu_plan_from_settings(settings, plan_result: dict, gpus: int, gpu_bytes: float) -> dict:
+    """Memory per GPU and the rate of an MoE target over `gpus` GPUs (`core.plan.gpu_plan`), from the
+    target's config and the bytes of its checkpoint as stored (INT4, FP8 or bf16)."""
+    from transformers import AutoConfig
+
+    from .checks import sample_layout
+    from .core import plan
+    from .core.quantized import checkpoint_tensor_bytes
+    from .core.sample_files import STORAGES, TEACHERS, SampleLayout
+    from .core.target import resolve_target
+
+    model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    chosen = sample_layout(settings, config.hidden_size)
+    layouts = [SampleLayout(chosen.hidden_size, chosen.dtype, s, t, chosen.topk) for s in STORAGES for t in TEACHERS]
+    total = plan_result["total"]
+    return plan.gpu_plan(config, checkpoint_tensor_bytes(model_dir), gpus, layouts,
+                         total["tokens"] / max(total["samples"], 1), gpu_bytes=gpu_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +396,9 @@ def cmd_plan(args) -> int:
 
 def cmd_ui(args) -> int:
     root = _enter(args)
+    from .settings import load_settings, settings_path_from_env
+
+    load_settings(settings_path_from_env())  # a bad file fails here, in one line, not in the UI's code location
     # This interpreter's own Dagster: `.venv/bin/eagle3 ui` works without activating the venv.
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
     os.execv(cmd[0], cmd)
@@ -333,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     pl_.add_argument("--json", action="store_true")
     pl_.add_argument("--tokens-per-s", type=float, help="extraction rate to plan with (default: the last measured one)")
     pl_.add_argument("--quick", action="store_true",
-                     help="before the prompts step: count the prompts instead of reading their lengths (a looser bound)")
+                     help="a prompts table to build is not tokenized: each prompt counted at max_prompt_tokens (looser)")
+    pl_.add_argument("--gpus", type=int, help="an MoE target over this many GPUs: memory per GPU, the pack that fits, a rate")
+    pl_.add_argument("--gpu-memory-gb", type=float, default=141.0, help="memory of one GPU (default: an H200's 141 GB)")
     pl_.set_defaults(func=cmd_plan)
     h = sub.add_parser("history", help="every materialization in the instance")
     h.add_argument("--json", action="store_true")
@@ -348,7 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--host", default="127.0.0.1")
     u.set_defaults(func=cmd_ui)
     args = p.parse_args(argv)
-    return args.func(args)
+    from .settings import SettingsError
+
+    try:
+        return args.func(args)
+    except SettingsError as e:  # the user's file is wrong: say how, without a traceback
+        print(f"eagle3 {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -273,6 +273,9 @@ def run_pipeline(
     if not step("prompts_job", [Unit("prompts")]):
         return False
     keys = instance.get_dynamic_partitions(shards.name)
+    unknown = sorted(selection.shards - set(keys))
+    if unknown:  # a typo must not select nothing and report "up to date"
+        raise ValueError(f"--select: no shard {', '.join(unknown)}; the shards are {', '.join(keys) or 'none yet'}")
     failed = [k for k in keys if not step("shard_job", [Unit("generations", k)])]
     # The top-k teacher's files hold log-probabilities over the draft vocabulary: the vocab map
     # (built from every shard's generations) comes before the extraction.

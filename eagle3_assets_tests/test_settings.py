@@ -79,3 +79,57 @@ def test_core_imports_neither_dagster_nor_the_settings_module():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith("dagster") and "settings" not in name, f"{f.name} imports {name}"
+
+
+def test_a_presets_relative_storage_root_is_the_project_not_the_package(tmp_path, monkeypatch):
+    """Installed from a wheel the presets sit in site-packages (reached through a symlinked lib64,
+    say): their `.eagle3/data` is the project's, the folder `eagle3` runs in."""
+    from eagle3_assets.settings import GPU_SETTINGS
+
+    linked = tmp_path / "site-packages"
+    linked.symlink_to(GPU_SETTINGS.parents[1].parent)  # another path to the package
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    for preset in (linked / "eagle3_assets" / "defaults" / "gpu.yaml", GPU_SETTINGS, None):
+        assert load_settings(preset).root == project / ".eagle3" / "data"
+    demo = load_settings(None)
+    monkeypatch.chdir(tmp_path)  # resolved when loaded: a later change of folder does not move it
+    assert demo.root == project / ".eagle3" / "data"
+
+
+def test_a_target_that_does_not_exist_is_a_settings_error(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("target_model: models/nowhere\n")
+    with pytest.raises(SettingsError, match=r"target_model .*models/nowhere does not exist"):
+        load_settings(f)
+    f.write_text("target_model: embedded:GPT-5\n")
+    with pytest.raises(SettingsError, match=r"'embedded:GPT-5' is not an embedded model \(embedded: embedded:SmolLM2"):
+        load_settings(f)
+
+
+def test_a_settings_file_that_is_not_utf8_names_its_line(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_bytes("shard_size: 10\nstorage_root: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(SettingsError, match=r"is not UTF-8 text \(line 2, byte 32: invalid continuation byte\)"):
+        load_settings(f)
+
+
+def test_eagle3_prints_a_settings_error_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
+    import shutil
+    from pathlib import Path
+
+    from eagle3_assets.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("dagster.yaml", "workspace.yaml"):
+        shutil.copy(root / name, tmp_path / name)
+    (tmp_path / "eagle3.yaml").write_text("shard_size: 0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    monkeypatch.delenv("EAGLE3_SETTINGS", raising=False)
+    for command in ("plan", "ui"):
+        assert main([command]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err == (f"eagle3 {command}: settings file eagle3.yaml is invalid:\n"
+                                              "  shard_size: Input should be greater than or equal to 1\n")

@@ -94,3 +94,36 @@ def test_ddp_ranks_pause_together_and_resume(tiny_target, tmp_path):
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     assert f"resumed from {state} at step 1 of 6" in out and not state.exists()
+
+
+def test_learning_curve_points_are_observed_live_through_pipes(tiny_target, tmp_path):
+    """Issue 22, item 13: each point becomes an observation while training runs (real timestamps,
+    before the job ends), with loss and top-1 as numbers and step and time as text (not metrics)."""
+    import time
+
+    from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, DagsterInstance, asset, materialize
+
+    from eagle3_assets.assets.drafter import observe_learning_curve
+    from eagle3_assets.launchers import GpuJob, LocalLauncher
+
+    params = setup(tiny_target, tmp_path)
+    train = TrainJob(**params, config=TrainConfig(max_steps=31, batch_tokens=128, warmup_steps=2, log_every=10))
+    ended = []
+
+    @asset(name="drafter")
+    def drafter(context: AssetExecutionContext):
+        with observe_learning_curve(context):
+            result = LocalLauncher({"OMP_NUM_THREADS": "1"}).run(
+                context, GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", train)).get_materialize_result()
+        ended.append(time.time())
+        return result
+
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([drafter], instance=instance).success
+        records = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey("drafter")), limit=100).records
+    points = sorted(records, key=lambda r: r.timestamp)
+    meta = [{k: v.value for k, v in r.event_log_entry.asset_observation.metadata.items()} for r in points]
+    assert [m["curve_step"] for m in meta] == ["0", "10", "20", "30"]  # text: the UI does not plot it
+    assert all(isinstance(m["curve_loss"], float) and isinstance(m["curve_train_s"], str) for m in meta)
+    assert all(r.timestamp < ended[0] for r in points)  # logged while the job ran, not after it
+    assert len({r.timestamp for r in points}) == len(points)

@@ -65,3 +65,19 @@ echo "eagle3_assets installed: $(command -v eagle3 || echo "$(python3 -c 'import
 EOF
 chmod +x "$out/install.sh"
 echo "bundle in $out: $(ls "$out"/*.whl | wc -l) wheels, $(du -sh "$out" | cut -f1)"
+
+# 5. For the lent GPU node (no network, 64 MiB per call): SITE_TAR=FILE also writes the bundle's
+#    dependencies unpacked for that Python into one tar.xz (about 174 MiB, where the wheels take
+#    220 MiB), without this project (it travels as the working tree), the UI/Postgres/GraphQL
+#    wheels (not needed for `eagle3 run`), and with the grpcio, protobuf and typing_extensions that
+#    the node's own are too old for. `split -n 3` cuts it into three carries of < 64 MiB;
+#    benchmarks/device_env.sh (SITE_PARTS) unpacks them there.
+if [ -n "${SITE_TAR:-}" ]; then
+  node=$(mktemp -d)
+  pip download --no-deps -d "$out" "${platform[@]}" "grpcio==1.81.*" "protobuf==6.33.*" "typing_extensions==4.16.*"
+  ls "$out"/*.whl | grep -v -E '/(eagle3_assets|dagster_webserver|dagster_postgres|dagster_graphql|psycopg2_binary|graphene|graphql_core|graphql_relay|gql|starlette|uvicorn|websockets|httptools|watchfiles|requests_toolbelt)-' \
+    | xargs "$PY" -m pip -q install --no-deps --no-compile --target "$node" "${platform[@]}"
+  tar -cf - -C "$node" . | xz -T0 -6 > "$SITE_TAR"
+  rm -rf "$node"
+  echo "site tar for the node: $SITE_TAR ($(du -h "$SITE_TAR" | cut -f1))"
+fi

@@ -5,7 +5,9 @@ resource through Dagster Pipes. Its state is kept under `drafter_state/` while i
 killed or stopped training continues on the next materialization with the same settings.
 """
 
+import contextlib
 import json
+import logging
 
 from dagster import AssetExecutionContext, AssetObservation, MaterializeResult, MetadataValue, ResourceParam, asset
 from safetensors import safe_open
@@ -17,6 +19,7 @@ from ..core.sample_files import MANIFEST
 from ..core.target import resolve_target
 from ..core.train import TrainJob, load_target_head
 from ..core.vocab import load_vocab_map
+from ..jobs.train_drafter import CURVE_POINT
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
@@ -61,17 +64,17 @@ def build(settings: Settings):
         for d in (paths.drafter, *paths.drafter_exports.values()):
             (d / CARD_NAME).unlink(missing_ok=True)  # drafter_eval writes the new drafter's card
         gpu_job = GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=settings.training.nproc)
-        trained = launcher.run(context, gpu_job).get_materialize_result()
-        log_learning_curve(context, trained.metadata["learning_curve"].value)
+        with observe_learning_curve(context):  # each point as training logs it: real timestamps, watchable live
+            trained = launcher.run(context, gpu_job).get_materialize_result()
 
         # One copy per serving engine: each reads the layer ids from a different place and in a
         # different numbering (README, "Layer ids"); the validator checks each copy as its engine would.
         exports = {e: write_engine_checkpoint(paths.drafter, paths.drafter_export(e), e) for e in ("vllm", "sglang")}
         embed, _, _ = load_target_head(model_dir)
-        # vLLM resolves the verifier by Hugging Face id or path: the embedded target by its id,
-        # a user's target by the path they gave; the architectures come from the folder we load.
+        # The verifier is what the drafter learned: a GGUF target's (the embedded one's) converted
+        # folder, a user's folder by the path they gave; the architectures come from that folder.
         exports["speculators"] = export_speculators(
-            paths.drafter, paths.drafter_export("speculators"), embed, verifier_name(settings.target_model),
+            paths.drafter, paths.drafter_export("speculators"), embed, verifier_name(settings.target_model, model_dir),
             speculative_tokens=settings.training.ttt_steps,
             verifier_architectures=_architectures(model_dir),
         )
@@ -89,17 +92,36 @@ def build(settings: Settings):
     return drafter
 
 
-def log_learning_curve(context: AssetExecutionContext, curve: list[dict], points: int = 200) -> None:
-    """One observation per logged training point (at most `points`, evenly spaced, the last kept), so
-    the asset's Plots tab charts the loss and the top-1 of every TTT step over the run."""
-    stride = max(1, -(-len(curve) // points))
-    for i, p in enumerate(curve):
-        if i % stride and i != len(curve) - 1:
-            continue
-        context.log_event(AssetObservation(asset_key=context.asset_key, metadata={
-            "curve_step": p["step"], "curve_train_s": p["time_s"], "curve_loss": p["loss"],
-            **{f"curve_top1_step_{k}": a for k, a in enumerate(p["accuracy"])},
-        }))
+def curve_observation(asset_key, point: dict) -> AssetObservation:
+    """One learning-curve point: loss and top-1 per TTT step as numbers (the UI plots them over
+    the observations' times); its step and training time as text, which are not metrics."""
+    return AssetObservation(asset_key=asset_key, description=f"step {point['step']}, {point['time_s']:.0f} s trained", metadata={
+        "curve_step": MetadataValue.text(str(point["step"])),
+        "curve_train_s": MetadataValue.text(f"{point['time_s']:.2f}"),
+        "curve_loss": point["loss"],
+        **{f"curve_top1_step_{k}": a for k, a in enumerate(point["accuracy"])},
+    })
+
+
+@contextlib.contextmanager
+def observe_learning_curve(context: AssetExecutionContext):
+    """While the training job runs, turn each learning-curve point it sends (a Pipes log line,
+    `jobs/train_drafter.py` CURVE_POINT) into an observation of the asset, as it arrives."""
+
+    class Points(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if not message.startswith(CURVE_POINT):
+                return True
+            context.log_event(curve_observation(context.asset_key, json.loads(message[len(CURVE_POINT):])))
+            return False  # an observation, not a log line
+
+    points = Points()
+    context.log.addFilter(points)
+    try:
+        yield
+    finally:
+        context.log.removeFilter(points)
 
 
 def _aux_layer_ids(shard_dir) -> list[int]:

@@ -13,7 +13,7 @@ from ..core.export import verifier_name
 from ..core.files import atomic_write_text
 from ..core.model_card import CARD_NAME, model_card
 from ..core.report import comparison_markdown, drafter_rows, manifests_summary, settings_snapshot, snapshot_sha256
-from ..core.target import resolve_target
+from ..core.target import describe_target, pick_device, resolve_target
 from ..partitions import shards
 from ..policies import GPU_POOL
 from ..resources import layout
@@ -36,16 +36,17 @@ def build(settings: Settings):
         description="Acceptance length tau of the drafter: the target verifies chains of drafted tokens.",
     )
     def drafter_eval(context: AssetExecutionContext) -> MaterializeResult:
-        job = EvalJob(str(resolve_target(settings.target_model, settings.model_cache_dir)), str(paths.drafter),
-                      settings.eval)
+        model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
+        job = EvalJob(str(model_dir), str(paths.drafter), settings.eval)
         r = evaluate(job, log=context.log.info)
         atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
         exports = paths.drafter_exports
         keys = set(context.instance.get_dynamic_partitions(shards.name))
         shards_now = [s for s in manifests_summary(paths.root / "hidden_states") if s[0] in keys]
         card = model_card(
-            verifier_name(settings.target_model), _latest_metadata(context, "prompts"), shards_now,
+            verifier_name(settings.target_model, model_dir), _latest_metadata(context, "prompts"), shards_now,
             asdict(settings.generation), _latest_metadata(context, "drafter"), r, exports, settings.eval.num_draft_tokens,
+            target=describe_target(settings.target_model, model_dir),
         )
         for d in (paths.drafter, *exports.values()):
             atomic_write_text(card, d / CARD_NAME)
@@ -70,6 +71,7 @@ def build(settings: Settings):
             "prompt_sets": MetadataValue.json(list(r["sets"])),
             "workers": r["workers"],
             "dtype": r["dtype"],
+            "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
             "acceptance_s": round(r["acceptance_s"], 2),
             "eval_s": round(r["eval_s"], 2),
             "path": MetadataValue.path(str(paths.drafter_eval)),

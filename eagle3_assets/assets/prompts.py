@@ -3,11 +3,13 @@
 import hashlib
 from pathlib import Path
 
+import polars as pl
+
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ..core.files import atomic_write_parquet
 from ..core.generate import template_ids
-from ..core.prompts import as_sources, file_sha256, read_prompts, sources_sha256
+from ..core.prompts import PROMPTS_SCHEMA, PromptTable, _quota, as_sources, file_sha256, read_prompts, sources_sha256
 from ..core.self_prompts import SELF_WRITTEN
 from ..core.shards import shard_keys
 from ..core.target import load_tokenizer, resolve_target
@@ -40,6 +42,50 @@ def data_version(settings: Settings, source_sha256: str | None = None) -> str:
     return hashlib.sha256(f"{sha}:{settings.fingerprint(*settings_used(settings))}".encode()).hexdigest()[:16]
 
 
+def build_table(settings: Settings, log=lambda msg: None, self_writer=None, quick: bool = False):
+    """The prompts table these settings make (what the asset writes, and what `eagle3 plan` plans
+    from), and a function giving each row's templated prompt length (computed once, here; None
+    with `quick`). `self_writer` (`self_prompts.SelfWriter`) writes `generator:self`'s requests;
+    without one (the plan), that source's rows are placeholders: its cap of them, empty prompts.
+    `quick` (`eagle3 plan --quick`): no tokenizer, so no length check and no decontamination;
+    both only drop rows, so the table is an upper bound."""
+    length = None
+    too_long = contaminated = None
+    if not quick:
+        tok = load_tokenizer(resolve_target(settings.target_model, settings.model_cache_dir))
+        lengths: dict[tuple, int] = {}
+
+        def length(system, prompt) -> int:
+            if (system, prompt) not in lengths:
+                lengths[(system, prompt)] = len(template_ids(tok, system, prompt))
+            return lengths[(system, prompt)]
+
+        def too_long(system, prompt):
+            return length(system, prompt) > settings.max_prompt_tokens
+
+        if settings.decontaminate:
+            from ..core.decontaminate import Decontaminator, eval_texts
+
+            decon = Decontaminator(eval_texts(settings.eval.prompt_sets))
+            contaminated = decon.contaminated
+            log(f"decontamination against {decon.count} evaluation texts of {settings.eval.prompt_sets}")
+    entries = as_sources(settings.prompts_source)
+    placeholders = self_writer is None and writes_itself(settings)
+    read = [e for e in entries if e.source != SELF_WRITTEN] if placeholders else entries
+    table = read_prompts(read, settings.max_prompts, too_long, contaminated,
+                         whole_conversations=settings.generation.turns == "all", self_writer=self_writer) if read else None
+    if placeholders:
+        n = sum(_quota(e, settings.max_prompts) for e in entries if e.source == SELF_WRITTEN)
+        rows = pl.concat([*([table.rows] if table else []), pl.DataFrame(
+            {"row_id": [0] * n, "system": [None] * n, "prompt": [""] * n, "later_turns": [[]] * n,
+             "source": [SELF_WRITTEN] * n, "source_index": list(range(n))}, schema=PROMPTS_SCHEMA)])
+        rows = (rows.head(settings.max_prompts) if settings.max_prompts else rows).with_columns(
+            pl.int_range(pl.len(), dtype=pl.Int64).alias("row_id"))
+        table = PromptTable(rows, table.dropped if table else {}, table.source if table else SELF_WRITTEN, "",
+                            [*(table.sources if table else []), {"source": SELF_WRITTEN, "rows": n, "placeholders": True}])
+    return table, length
+
+
 def build(settings: Settings):
     paths = layout(settings)
 
@@ -51,18 +97,6 @@ def build(settings: Settings):
         description="Normalized prompts (Parquet, row ids 0..N-1); registers the shard partitions.",
     )
     def prompts(context: AssetExecutionContext) -> MaterializeResult:
-        tok = load_tokenizer(resolve_target(settings.target_model, settings.model_cache_dir))
-
-        def too_long(system, prompt):
-            return len(template_ids(tok, system, prompt)) > settings.max_prompt_tokens
-
-        contaminated = None
-        if settings.decontaminate:
-            from ..core.decontaminate import Decontaminator, eval_texts
-
-            decon = Decontaminator(eval_texts(settings.eval.prompt_sets))
-            contaminated = decon.contaminated
-            context.log.info(f"decontamination against {decon.count} evaluation texts of {settings.eval.prompt_sets}")
         writer = None
         if writes_itself(settings):
             from ..core.export import verifier_name
@@ -72,8 +106,7 @@ def build(settings: Settings):
                                 resolve_target(settings.target_model, settings.model_cache_dir),
                                 _target_label(settings.target_model, verifier_name), log=context.log.info)
         try:
-            table = read_prompts(settings.prompts_source, settings.max_prompts, too_long, contaminated,
-                                 whole_conversations=settings.generation.turns == "all", self_writer=writer)
+            table, _ = build_table(settings, log=context.log.info, self_writer=writer)
         finally:
             if writer is not None:
                 writer.close()

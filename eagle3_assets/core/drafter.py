@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,8 @@ class Eagle3Attention(nn.Module):
     ) -> torch.Tensor:
         """`diagonal=False`: append the new keys to the causal prefix (step 0, decoding).
         `diagonal=True`: TTT step >= 1, the new keys are seen only by their own position."""
+        if isinstance(cache, PackedTTTCache):
+            return self._packed_forward(x, cos, sin, cache, diagonal)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -220,6 +223,257 @@ class Eagle3Attention(nn.Module):
             out = out + probs[..., L + i : L + i + 1] * repeat_kv(dv, n_rep)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out)
+
+    def _packed_forward(self, x, cos, sin, cache: "PackedTTTCache", diagonal: bool) -> torch.Tensor:
+        """TTT on one packed row x [1, N, 2H] (cos/sin [N, D]): step 0 fills the prefix keys,
+        a step >= 1 adds its diagonal keys; `TTTAttention` attends without a score matrix."""
+        N = x.shape[1]
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if diagonal:
+            cache.diag_keys.append(k)
+            cache.diag_values.append(v)
+        else:
+            if cache.keys is not None:
+                raise RuntimeError("a packed TTT forward has one prefix step (step 0)")
+            cache.keys, cache.values = k, v
+        if cache.impl == "flash":  # the kernel takes bf16/fp16; autocast leaves q in the compute dtype
+            q, k0, v0 = q.contiguous(), cache.keys.contiguous(), cache.values.contiguous()
+        else:
+            k0, v0 = cache.keys, cache.values
+        out = TTTAttention.apply(q, k0, v0, cache.geometry, 1.0 / math.sqrt(self.head_dim), *cache.diag_keys,
+                                 *cache.diag_values)
+        return self.o_proj(out.reshape(1, N, self.num_heads * self.head_dim))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on packed rows: TTT attention without the score matrix
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedGeometry:
+    """Where the samples of a packed row lie: `cu_seqlens` [S+1] (int32, on the row's device),
+    the longest sample, and `impl`, the prefix attention: "flash" (FlashAttention varlen, CUDA
+    bf16/fp16) or "math" (per sample in float32: the reference path). It holds no tensor of the
+    autograd graph, so the attention nodes can keep it without a reference cycle."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_len: int, impl: str):
+        if impl not in ("flash", "math"):
+            raise ValueError(f"packed TTT attention impl must be 'flash' or 'math', got {impl!r}")
+        self.cu_seqlens, self.max_len, self.impl = cu_seqlens.detach().to(torch.int32), int(max_len), impl
+        self._bounds: list[tuple[int, int]] | None = None
+        self.flash_rng: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(start, end) of each sample; read back once, only where needed (the math path)."""
+        if self._bounds is None:
+            cu = self.cu_seqlens.tolist()
+            self._bounds = list(zip(cu[:-1], cu[1:]))
+        return self._bounds
+
+
+class PackedTTTCache:
+    """The keys of a TTT forward over one packed row of samples ([N] tokens, `geometry` the
+    sample bounds): step 0's keys/values [N, kv_heads, D] (the causal prefix, within each
+    sample) and one [N, kv_heads, D] pair per step >= 1 (index t's own key, seen by t only)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_len: int, impl: str):
+        self.geometry = PackedGeometry(cu_seqlens, max_len, impl)
+        self.impl = impl
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.diag_keys: list[torch.Tensor] = []
+        self.diag_values: list[torch.Tensor] = []
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[N, kv_heads, D] -> [N, heads, D] (head h reads kv head h // n_rep, as repeat_kv)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _reduce_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of `_expand_kv`: [N, heads, D] -> [N, kv_heads, D]."""
+    return x if n_rep == 1 else x.unflatten(1, (-1, n_rep)).sum(2)
+
+
+def _math_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
+    """Causal attention within each sample, in float32: out [N, H, D] (q's dtype), lse [H, N]."""
+    n_rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    with torch.autocast(q.device.type, enabled=False):  # float32 also under a bf16 autocast
+        for s, e in geo.bounds:
+            _math_prefix_sample(q, k, v, s, e, n_rep, scale, out, lse)
+    return out, lse
+
+
+def _math_prefix_sample(q, k, v, s: int, e: int, n_rep: int, scale: float, out, lse) -> None:
+    """One sample's causal attention, written into out[s:e] and lse[:, s:e]."""
+    qs = q[s:e].float().transpose(0, 1)  # [H, n, D]
+    ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
+    scores = (qs @ ks.transpose(1, 2)) * scale
+    future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    lse[:, s:e] = torch.logsumexp(scores, dim=-1)
+    out[s:e] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1).to(q.dtype)
+
+
+def _math_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: float):
+    """The FlashAttention backward in float32, per sample: probabilities exp(s - lse) and the
+    row term sum(dout * out) come from the given out/lse (which may be the merged ones)."""
+    n_rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    for s, e in geo.bounds:
+        qs = q[s:e].float().transpose(0, 1)
+        ks, vs = (_expand_kv(x[s:e], n_rep).float().transpose(0, 1) for x in (k, v))
+        do, o = dout[s:e].float().transpose(0, 1), out[s:e].float().transpose(0, 1)
+        future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.exp(((qs @ ks.transpose(1, 2)) * scale - lse[:, s:e, None]).masked_fill(future, float("-inf")))
+        dprobs = do @ vs.transpose(1, 2)
+        dscores = probs * (dprobs - (do * o).sum(-1, keepdim=True))
+        dq[s:e] = (dscores @ ks).transpose(0, 1) * scale
+        dk[s:e] = _reduce_kv((dscores.transpose(1, 2) @ qs).transpose(0, 1) * scale, n_rep)
+        dv[s:e] = _reduce_kv((probs.transpose(1, 2) @ do).transpose(0, 1), n_rep)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _flash_lse_unpadded(lse: torch.Tensor, geo: PackedGeometry) -> torch.Tensor:
+    """FlashAttention varlen's log-sum-exp as [H, N]: recent builds return it so; older ones as
+    [B, H, max_len] (padded per sample), converted here."""
+    if lse.dim() == 2:
+        return lse
+    sample, local = _flash_index(geo, lse.device)
+    return lse[sample, :, local].transpose(0, 1)
+
+
+def _flash_lse_like(merged: torch.Tensor, raw: torch.Tensor, geo: PackedGeometry) -> torch.Tensor:
+    """The merged [H, N] log-sum-exp in the layout the kernel returned (`raw`)."""
+    if raw.dim() == 2:
+        return merged.contiguous()
+    sample, local = _flash_index(geo, merged.device)
+    padded = torch.zeros_like(raw)
+    padded[sample, :, local] = merged.transpose(0, 1)
+    return padded
+
+
+def _flash_index(geo: PackedGeometry, device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [e - s for s, e in geo.bounds]
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    starts = torch.tensor([s for s, _ in geo.bounds], device=device)
+    local = torch.arange(int(sum(lengths)), device=device) - starts[sample]
+    return sample, local
+
+
+class _Flash:
+    """Whether the FlashAttention ops work in this build; after a first failure (an older or
+    other build) the math path does the prefix instead, with one warning."""
+
+    ok = True
+
+    @classmethod
+    def fail(cls, where: str, e: Exception) -> None:
+        if cls.ok:
+            warnings.warn(f"FlashAttention varlen {where} failed ({type(e).__name__}: {e}); the packed TTT attention "
+                          "falls back to the per-sample math path (slow: set training.attention to 'padded' or fix "
+                          "the build)", RuntimeWarning, stacklevel=3)
+        cls.ok = False
+
+
+_FLASH_ERRORS = (RuntimeError, TypeError, AttributeError, NotImplementedError)
+
+
+def _flash_prefix_forward(q, k, v, geo: PackedGeometry, scale: float):
+    if _Flash.ok:
+        try:
+            out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+                q, k, v, geo.cu_seqlens, geo.cu_seqlens, geo.max_len, geo.max_len, 0.0, True, False, scale=scale)
+            geo.flash_rng = (seed, offset)
+            return out, lse
+        except _FLASH_ERRORS as e:
+            _Flash.fail("forward", e)
+    geo.impl = "math"  # this row's backward goes the same way
+    return _math_prefix_forward(q, k, v, geo, scale)
+
+
+def _flash_prefix_backward(dout, q, k, v, out, lse, geo: PackedGeometry, scale: float):
+    if _Flash.ok:
+        try:
+            seed, offset = geo.flash_rng  # unused at dropout 0, but part of the op's signature
+            return torch.ops.aten._flash_attention_backward(
+                dout.contiguous(), q, k, v, out.contiguous(), lse, geo.cu_seqlens, geo.cu_seqlens, geo.max_len,
+                geo.max_len, 0.0, True, seed, offset, scale=scale)
+        except _FLASH_ERRORS as e:
+            _Flash.fail("backward", e)
+    return _math_prefix_backward(dout, q, k, v, out, _flash_lse_unpadded(lse, geo), geo, scale)
+
+
+class TTTAttention(torch.autograd.Function):
+    """Attention of TTT step k on a packed row: query t sees step 0's keys s..t of its own sample
+    (s its sample's start) and its own keys of steps 1..k, without a score matrix.
+
+    Forward: the prefix attention (FlashAttention varlen, or the float32 math path) gives out_p
+    and its log-sum-exp lse_p; the k diagonal scores s_i = q_t . dk_i,t are merged through
+    log-sum-exp: lse = logsumexp(lse_p, s_1..s_k), out = e^(lse_p - lse) out_p + sum_i
+    e^(s_i - lse) dv_i. Backward: the prefix attention's own backward, called with the MERGED
+    out and lse (the ring-attention identity: its probabilities exp(score - lse) are then the
+    merged ones, and its row term sum(dout * out) is the merged softmax's, so its dq/dk/dv are
+    exact), plus the diagonal terms by hand: p_i = e^(s_i - lse), ds_i = p_i (dout.dv_i -
+    sum(dout * out)), dq += ds_i dk_i scale, d dk_i = ds_i q scale, d dv_i = p_i dout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, geo: PackedGeometry, scale: float, *diag):
+        N, H, D = q.shape
+        Hk = k.shape[1]
+        flash = geo.impl == "flash"
+        out_p, raw_lse = (_flash_prefix_forward if flash else _math_prefix_forward)(q, k, v, geo, scale)
+        flash = geo.impl == "flash"  # still: the op ran (else it fell back to the math path)
+        lse_p = (_flash_lse_unpadded(raw_lse, geo) if flash else raw_lse).transpose(0, 1)  # [N, H]
+        steps = len(diag) // 2
+        dks, dvs = diag[:steps], diag[steps:]
+        # Query heads grouped by their key-value head, [N, Hk, n_rep, D]: a diagonal key [N, Hk,
+        # D] broadcasts over its group, so no repeated copy of it is made.
+        qg = q.float().reshape(N, Hk, -1, D)
+        diag_scores = [(qg * dk.float()[:, :, None]).sum(-1).view(N, H) * scale for dk in dks]  # [N, H] each
+        lse = torch.logsumexp(torch.stack([lse_p, *diag_scores]), dim=0) if steps else lse_p
+        out = (torch.exp(lse_p - lse)[..., None] * out_p.float()).view(N, Hk, -1, D)
+        for s_i, dv in zip(diag_scores, dvs):
+            out = out + torch.exp(s_i - lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
+        out = out.view(N, H, D).to(q.dtype)
+        merged_lse = lse.transpose(0, 1).contiguous()
+        if flash:
+            merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
+        ctx.save_for_backward(q, k, v, out, merged_lse, lse, *diag_scores, *diag)
+        ctx.geo, ctx.scale, ctx.steps, ctx.flash = geo, scale, steps, flash
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, merged_lse, lse, *rest = ctx.saved_tensors
+        steps, scale, geo = ctx.steps, ctx.scale, ctx.geo
+        diag_scores, dks, dvs = rest[:steps], rest[steps : 2 * steps], rest[2 * steps :]
+        N, H, D = q.shape
+        Hk = k.shape[1]
+        dout = dout.to(q.dtype)
+        prefix_backward = _flash_prefix_backward if ctx.flash else _math_prefix_backward
+        dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
+        if not steps:
+            return dq, dk, dv, None, None
+        qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
+        dq = dq.float().reshape(N, Hk, -1, D)
+        row = (dout_g * out.float().reshape(N, Hk, -1, D)).sum(-1)  # [N, Hk, n_rep]
+        d_dks, d_dvs = [], []
+        for s_i, dk_i, dv_i in zip(diag_scores, dks, dvs):
+            p_i = torch.exp(s_i - lse).view(N, Hk, -1)
+            ds = p_i * ((dout_g * dv_i.float()[:, :, None]).sum(-1) - row) * scale
+            dq = dq + ds[..., None] * dk_i.float()[:, :, None]
+            d_dks.append((ds[..., None] * qg).sum(2).to(dk_i.dtype))
+            d_dvs.append((p_i[..., None] * dout_g).sum(2).to(dv_i.dtype))
+        return dq.view(N, H, D).to(q.dtype), dk, dv, None, None, *d_dks, *d_dvs
 
 
 class Eagle3MLP(nn.Module):
@@ -341,7 +595,44 @@ class Eagle3Drafter(nn.Module):
             ids = shift_left(ids, 1)
         return logits
 
-    forward = ttt_forward
+    def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, steps: int = 7, **packed) -> list[torch.Tensor]:
+        """`ttt_forward`, or with `packed` (cu_seqlens, positions, max_len, attention) the packed
+        `ttt_forward_packed` (one entry point, so that DDP wraps either)."""
+        if packed:
+            return self.ttt_forward_packed(input_ids, aux_hidden_states, steps=steps, **packed)
+        return self.ttt_forward(input_ids, aux_hidden_states, steps)
+
+    def ttt_forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: torch.Tensor,
+        max_len: int,
+        attention: str = "math",
+        steps: int = 7,
+    ) -> list[torch.Tensor]:
+        """`ttt_forward` on one packed row of samples, returning each step's layer output
+        (pre-norm) [N, H] instead of logits (the loss applies norm + lm_head in chunks).
+
+        input_ids [N] and aux_hidden_states [N, 3*H_t] are the samples concatenated; cu_seqlens
+        [S+1] their bounds; positions [N] each token's index within its sample (RoPE restarts
+        per sample). Shifts run over the whole row, so near a sample's end index t reads the
+        next sample's tokens; such t never enter the loss (see `packed_ttt_loss`), and no
+        counted t depends on them: a counted t (token t+k+2 inside its sample) reads tokens
+        t+1..t+k+1 on its own diagonal and step-0 keys j <= t of its sample (token j+1 <= t+1),
+        all inside the sample, and attention never crosses a sample bound. So every counted
+        position computes exactly what the padded `ttt_forward` computes for it."""
+        hidden_states = self.fc(aux_hidden_states)[None]  # [1, N, H]: the layer's batch of one row
+        ids = torch.cat((input_ids[1:], input_ids.new_zeros(1)))[None]
+        cache = PackedTTTCache(cu_seqlens, max_len, attention)
+        outputs = []
+        for k in range(steps):
+            cos, sin = self.rotary(positions + k, hidden_states.dtype)
+            hidden_states = self.midlayer(self.embed(ids), hidden_states, cos, sin, cache, diagonal=k > 0)
+            outputs.append(hidden_states[0])
+            ids = shift_left(ids, 1)
+        return outputs
 
     # -- decoding: KV-cached drafting for speculative decoding -------------------------------
 

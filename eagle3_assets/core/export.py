@@ -216,19 +216,21 @@ def _read_checkpoint(checkpoint_dir: Path) -> tuple[dict, dict[str, torch.Tensor
     return config, tensors
 
 
-# The Hugging Face ids of the embedded targets (`core/target.py` EMBEDDED_MODELS): what vLLM
-# resolves for the verifier, as `embedded:` names mean nothing outside this project.
-EMBEDDED_HF_IDS = {"embedded:SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
-def verifier_name(target_model: str) -> str:
-    """The target as vLLM can name it: an embedded target's Hugging Face id, else the path or id
-    the user gave (a relative path made absolute, as the settings already do)."""
-    if target_model in EMBEDDED_HF_IDS:
-        return EMBEDDED_HF_IDS[target_model]
-    if target_model.startswith("embedded:"):
-        raise ValueError(f"{target_model} has no known Hugging Face id; add it to EMBEDDED_HF_IDS")
+def verifier_name(target_model: str, model_dir: str | Path | None = None) -> str:
+    """The target as vLLM names it: the folder the drafter was trained and measured against. For
+    a GGUF target (the embedded ones too) that is its de-quantized copy, `model_dir`
+    (`resolve_target`'s folder), not the model the GGUF was quantized from; else the path or id the
+    user gave (a relative path made absolute, as the settings already do)."""
+    from .target import is_gguf
+
+    if is_gguf(target_model):
+        if model_dir is None:
+            raise ValueError(f"{target_model} is a GGUF: name its converted folder (resolve_target), the weights "
+                             "the drafter learned")
+        return str(Path(model_dir).resolve())
     path = Path(target_model).expanduser()
     return str(path.resolve()) if path.exists() else target_model
 

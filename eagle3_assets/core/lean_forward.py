@@ -8,11 +8,14 @@ the model's own MoE blocks, so it needs the plain Hugging Face modules on one de
 
 - Llama, Qwen2 (biases on q/k/v), Qwen3 (an RMSNorm over each head of q and k before RoPE):
   grouped-query attention;
-- Qwen3-MoE: Qwen3's attention, and the model's own sparse MoE block (router + experts) on
-  the pack's [N, H] rows: routing is per token, so packing changes nothing;
+- Qwen3-MoE: Qwen3's attention, and the sparse MoE on the pack's [N, H] rows (`moe.py`: the
+  model's own router, the experts as grouped GEMMs): routing is per token, so packing changes nothing;
 - DeepSeek-V3 (and Kimi-K2, its architecture): multi-head latent attention, decompressed per
-  token into full heads (a value head narrower than the query/key head), the model's own MoE
-  block with its shared experts.
+  token into full heads (a value head narrower than the query/key head), the MoE with its
+  shared experts.
+
+Quantized checkpoints (`quantized.py`: INT4 experts, FP8 blocks) run the same code: each
+quantized weight is dequantized just before its matmul.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .moe import moe_block
+from .quantized import QuantExperts, QuantLinear
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,12 @@ def lean_supported(base_model) -> bool:
         return False
     if len({p.device for p in base_model.parameters()}) != 1:
         return False
-    # A quantized or otherwise replaced projection would be misread by F.linear on its .weight.
-    if any("Linear" in type(m).__name__ and type(m) is not torch.nn.Linear for m in base_model.modules()):
+    # A quantized or otherwise replaced projection would be misread by F.linear on its .weight
+    # (ours, `QuantLinear`, is dequantized by `_linear`).
+    if any("Linear" in type(m).__name__ and type(m) not in (torch.nn.Linear, QuantLinear) for m in base_model.modules()):
+        return False
+    if fam.moe is not None and any(type(layer.mlp) is fam.moe and not _plain_experts(layer.mlp.experts)
+                                   for layer in base_model.layers):
         return False
     norms = [base_model.norm]
     for layer in base_model.layers:
@@ -148,7 +158,18 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
+def _plain_experts(experts) -> bool:
+    """Experts `moe.routed_experts` reads: ours quantized, or transformers' fused gated SiLU ones."""
+    if isinstance(experts, QuantExperts):
+        return True
+    from .quantized import _is_experts
+
+    return _is_experts(experts) and getattr(experts, "has_gate", True) and not getattr(experts, "_is_expert_parallel", False)
+
+
 def _linear(proj, x: torch.Tensor) -> torch.Tensor:
+    if type(proj) is QuantLinear:
+        return F.linear(x, proj.dequantized(x.dtype), proj.bias)
     return F.linear(x, proj.weight, proj.bias)
 
 
@@ -209,10 +230,10 @@ def _mla_attention(a, x: torch.Tensor, rope: _Rope, packing: Packing) -> torch.T
 
 def _mlp(mlp, fam: Family, x: torch.Tensor) -> torch.Tensor:
     """The layer's feed-forward on a pack: the dense gated MLP by hand (in place, one [N, I]
-    buffer), an MoE block by its own forward (router, experts, shared experts: the model's
-    kernels, e.g. grouped_mm), which is token-wise."""
+    buffer), an MoE block by `moe.moe_block` (the model's router, grouped GEMMs over the
+    experts, the shared experts by this function), which is token-wise."""
     if type(mlp) is not fam.mlp:
-        return mlp(x[None])[0]
+        return moe_block(mlp, x, lambda shared, rows: _mlp(shared, fam, rows))
     g = F.silu(_linear(mlp.gate_proj, x))
     g = g.mul_(_linear(mlp.up_proj, x))
     return _linear(mlp.down_proj, g)

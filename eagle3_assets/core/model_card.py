@@ -20,20 +20,26 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def serve_commands(verifier: str, exports: dict[str, Path], num_draft_tokens: int) -> str:
-    """The commands that serve each export: vLLM reads the drafter through --speculative-config (or the
-    speculators copy alone, which names its verifier); SGLang drafts a chain of K tokens with top-k 1,
-    verifying K + 1 tokens per step (the same chain as our evaluation)."""
+    """The commands that serve each export, run from the folder that holds them (`drafter_exports/`):
+    the exports by relative paths, which both engines accept; the verifier by the path or id the
+    speculators copy names too (vLLM resolves that one from wherever it runs). vLLM reads the drafter
+    through --speculative-config (or the speculators copy alone, which names its verifier); SGLang
+    drafts a chain of K tokens with top-k 1, verifying K + 1 tokens per step (the same chain as our
+    evaluation)."""
     k = num_draft_tokens
-    spec = json.dumps({"method": "eagle3", "model": str(exports["vllm"]), "num_speculative_tokens": k})
+    folder = Path(exports["vllm"]).parent
+    rel = {e: "./" + Path(p).relative_to(folder).as_posix() if Path(p).parent == folder else str(p) for e, p in exports.items()}
+    spec = json.dumps({"method": "eagle3", "model": rel["vllm"], "num_speculative_tokens": k})
     return "\n".join([
         "```bash",
+        f"cd {folder}    # the exports' folder: the paths below are relative to it",
         "# vLLM",
         f"vllm serve {verifier} --speculative-config '{spec}'",
         "# vLLM, speculators format (the checkpoint names its verifier)",
-        f"vllm serve {exports['speculators']}",
+        f"vllm serve {rel['speculators']}",
         "# SGLang",
         f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\",
-        f"    --speculative-draft-model-path {exports['sglang']} \\",
+        f"    --speculative-draft-model-path {rel['sglang']} \\",
         f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
         "```",
     ])
@@ -48,15 +54,20 @@ def model_card(
     evaluation: dict,
     exports: dict[str, Path],
     num_draft_tokens: int,
+    target: tuple[str, str] | None = None,
 ) -> str:
-    """Markdown. `prompts` and `training` are the `prompts` and `drafter` assets' metadata, `shards` the
-    manifests' (shard, samples, tokens, bytes), `generation` the generation settings, `evaluation`
-    `core.evaluate.evaluate`'s result."""
+    """Markdown. `verifier` is the target as the serving engines name it (`export.verifier_name`),
+    `target` its name and what its weights are (`target.describe_target`); `prompts` and `training`
+    are the `prompts` and `drafter` assets' metadata, `shards` the manifests' (shard, samples, tokens,
+    bytes), `generation` the generation settings, `evaluation` `core.evaluate.evaluate`'s result."""
+    name, weights = target or (verifier, f"`{verifier}`")
     samples = sum(s[1] for s in shards)
     tokens = sum(s[2] for s in shards)
     sources = prompts.get("sources") or []
     out = [
-        f"# EAGLE-3 drafter for {verifier}",
+        f"# EAGLE-3 drafter for {name}",
+        "",
+        f"Trained and measured against {weights}.",
         "",
         f"Trained by eagle3_assets. Acceptance length **tau {evaluation['tau']:.3f}** at K={num_draft_tokens} "
         f"on {evaluation['prompts_used']} prompts of {next(iter(evaluation['sets']), 'the evaluation set')} "
@@ -112,5 +123,6 @@ def model_card(
     if "greedy_check_prompts" in evaluation:
         out += ["", f"In float32 the speculative output equals plain greedy on {evaluation['greedy_check_matches']} of "
                     f"{evaluation['greedy_check_prompts']} prompts."]
-    out += ["", "## Serving", "", serve_commands(verifier, exports, num_draft_tokens), ""]
+    out += ["", "## Serving", "", f"The commands name the target the drafter was trained against: `{verifier}`.", "",
+            serve_commands(verifier, exports, num_draft_tokens), ""]
     return "\n".join(out)

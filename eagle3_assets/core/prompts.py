@@ -154,7 +154,7 @@ def _json_list_items(text: str, path: Path, tolerate_truncated_tail: bool) -> It
         except json.JSONDecodeError as e:
             if tolerate_truncated_tail:
                 return  # the packaged ShareGPT file is cut mid-record: keep the complete ones
-            raise PromptFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+            raise PromptFileError(f"{path}: not valid JSON ({_json_error(e)} line {e.lineno} column {e.colno})") from None
         yield index, item
         index += 1
         i = ws.match(text, i).end()
@@ -175,6 +175,15 @@ def _chitchat_records(path: Path) -> Iterable[tuple[int, object]]:
         yield index, {"messages": msgs}
 
 
+def _json_error(e: json.JSONDecodeError) -> str:
+    """json's message, ready for a position: some already end in "at" ("Unterminated string starting at")."""
+    return e.msg if e.msg.endswith(" at") else e.msg + " at"
+
+
+def _line_of(e: UnicodeDecodeError) -> int:
+    return e.object[:e.start].count(b"\n") + 1
+
+
 def _records(path: Path, embedded: bool = False, source: str = "") -> Iterable[tuple[int, object]]:
     if source == EMBEDDED_CHITCHAT:
         yield from _chitchat_records(path)
@@ -190,7 +199,7 @@ def _records(path: Path, embedded: bool = False, source: str = "") -> Iterable[t
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise PromptFileError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise PromptFileError(f"{path}: not UTF-8 text (line {_line_of(e)}, byte {e.start}: {e.reason})") from None
     if suffix == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -198,7 +207,7 @@ def _records(path: Path, embedded: bool = False, source: str = "") -> Iterable[t
             try:
                 yield lineno - 1, json.loads(line)
             except json.JSONDecodeError as e:
-                raise PromptFileError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
+                raise PromptFileError(f"{path}: line {lineno} is not valid JSON ({_json_error(e)} column {e.colno})") from None
         return
     if suffix == ".json":
         if embedded:
@@ -207,7 +216,7 @@ def _records(path: Path, embedded: bool = False, source: str = "") -> Iterable[t
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PromptFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+            raise PromptFileError(f"{path}: not valid JSON ({_json_error(e)} line {e.lineno} column {e.colno})") from None
         if not isinstance(data, list):
             raise PromptFileError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
         yield from enumerate(data)

@@ -55,6 +55,7 @@ def plot_history(rows: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     h = shard_history(rows).sort("timestamp")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
@@ -66,6 +67,7 @@ def plot_history(rows: list[dict], path: Path) -> Path:
     ax1.set_ylabel("tokens/s")
     ax2.set_ylabel("bytes on disk")
     ax2.set_xlabel("hidden_states materialization (in time order)")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))  # materializations are counted, not measured
     ax1.set_title("Extraction throughput per shard, all runs")
     ax1.legend(fontsize=7, ncol=2)
     fig.tight_layout()

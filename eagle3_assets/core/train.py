@@ -13,6 +13,13 @@ from whichever teacher the files hold (`teacher_distribution`): softmax(lm_head(
 state)) over the draft vocabulary, or the stored top-k renormalized over its k ids. fp8 files
 are moved as stored and dequantized on the training device.
 
+A batch is one packed row of samples (`pack_batch`, `training.attention` auto/flash/math): the
+TTT attention merges FlashAttention's causal prefix with each position's own keys through
+log-sum-exp (`drafter.TTTAttention`) and the LM head + loss run in chunks of tokens
+(`ChunkedSoftCrossEntropy`), so neither a score matrix nor [tokens, vocab] float32 tensors
+exist whole; in float32 it computes the first, padded implementation's loss and gradients
+(`attention: padded`, kept as the reference; eagle3_assets_tests/test_train_fast.py).
+
 Training is resumable: the full state (weights, optimizer, step, curve, training time so far)
 is saved every `save_every` steps and when a run is stopped on purpose (SIGTERM, or
 `TrainJob.stop_after_s` for a time-limited slot); the next run with the same data and config
@@ -41,6 +48,7 @@ from safetensors import safe_open
 
 from .config import STRICT, Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .distributed import Dist, setup
+from . import drafter as drafter_module
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
 from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
@@ -62,7 +70,9 @@ class TrainConfig:
     # Training seconds in all (over every run of a resumed training); the cosine schedule ends
     # fully decayed at whichever of max_steps and the budget comes first.
     time_budget_s: PositiveFloat | None = None
-    batch_tokens: PositiveInt = 8192  # max padded tokens per batch (B * T_max) and rank
+    # Tokens per batch and rank: real tokens of one packed row, or with attention "padded" the
+    # padded size B * T_max.
+    batch_tokens: PositiveInt = 8192
     grad_clip: PositiveFloat = 0.5
     weight_decay: NonNegativeFloat = 0.0
     seed: int = 0
@@ -76,6 +86,18 @@ class TrainConfig:
     log_every: PositiveInt = 10
     acc_window: PositiveInt = 50  # per-step accuracy is measured over the last this many batches
     checkpoint_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # How a batch is trained: samples packed into one row, TTT attention without a score matrix
+    # ("flash": FlashAttention varlen, CUDA; "math": per sample in float32, the reference) and a
+    # chunked LM head + loss; "auto": flash on CUDA, math elsewhere. "padded": the first
+    # implementation (right-padded rows, the full score matrix, [B, T, V] logits per step).
+    attention: Literal["auto", "flash", "math", "padded"] = "auto"
+    loss_chunk_tokens: PositiveInt = 4096  # tokens per chunk of the fused LM head + loss
+    # torch.compile the loss's per-chunk math on CUDA (one fused pass over each chunk's logits);
+    # off: eager kernels, several passes.
+    compile: bool = False
+    # Training seconds (over all runs) at which a copy of the drafter is written to
+    # <out_dir>/snapshots/t<seconds>/, for tau against training time.
+    snapshot_at_s: list[PositiveFloat] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -95,16 +117,30 @@ class TrainJob:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: length-bucketed, right-padded batches, streamed from disk or from preloaded samples
+# Data: packed rows (or length-bucketed, right-padded batches), streamed from disk or from
+# preloaded samples
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random) -> list[list[SampleRef]]:
+def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random,
+               packed: bool = False) -> list[list[SampleRef]]:
     """Shuffle, then sort within pools of ~64 batches by length and cut batches whose padded
     size (count * longest) stays within batch_tokens; the batch order is shuffled again.
-    Sorting only within a pool keeps batches similar in length without a fixed order."""
+    Sorting only within a pool keeps batches similar in length without a fixed order.
+    `packed`: batches are cut from the shuffled order by real tokens (a packed row has no
+    padding, so lengths need not be alike)."""
     order = refs[:]
     rng.shuffle(order)
+    if packed:
+        batches, batch, tokens = [], [], 0
+        for ref in order:
+            length = _capped(ref.tokens, max_length)
+            if batch and tokens + length > batch_tokens:
+                batches.append(batch)
+                batch, tokens = [], 0
+            batch.append(ref)
+            tokens += length
+        return batches + ([batch] if batch else [])
     mean_len = sum(_capped(r.tokens, max_length) for r in refs) / len(refs)
     pool_size = max(1, int(64 * batch_tokens / max(mean_len, 1)))
     batches = []
@@ -128,10 +164,11 @@ def _capped(tokens: int, max_length: int | None) -> int:
     return tokens if max_length is None else min(tokens, max_length)
 
 
-def load_batch(batch: list[SampleRef], max_length: int | None) -> dict[str, torch.Tensor]:
-    """Read a batch from disk (as stored: fp8 stays fp8 until the device) and right-pad it;
-    `lengths` gives each sample's true length."""
-    return pad_batch([read_sample_slices(ref.path, max_length, dequantize=False) for ref in batch])
+def load_batch(batch: list[SampleRef], max_length: int | None, packed: bool = False) -> dict[str, torch.Tensor]:
+    """Read a batch from disk (as stored: fp8 stays fp8 until the device) and right-pad it, or
+    pack it into one row; `lengths` gives each sample's true length."""
+    samples = [read_sample_slices(ref.path, max_length, dequantize=False) for ref in batch]
+    return pack_batch(samples) if packed else pad_batch(samples)
 
 
 def batches_forever(
@@ -144,10 +181,12 @@ def batches_forever(
     batches, and a resumed run skips the batches it already trained on (planning reads no file)."""
     rng = random.Random(cfg.seed)
     index = 0
+    packed = cfg.attention != "padded"
     while True:
-        for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng):
+        for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng, packed):
             if index >= start_step * world and index % world == rank:
-                yield load_batch(batch, cfg.max_length) if cache is None else _batch_from_cache(batch, cache)
+                yield (load_batch(batch, cfg.max_length, packed) if cache is None
+                       else _batch_from_cache(batch, cache, packed))
             index += 1
 
 
@@ -157,8 +196,19 @@ def preload_samples(refs: list[SampleRef], max_length: int | None, device: torch
             for ref in refs}
 
 
-def _batch_from_cache(batch: list[SampleRef], cache: dict) -> dict[str, torch.Tensor]:
-    return pad_batch([cache[ref.path] for ref in batch])
+def _batch_from_cache(batch: list[SampleRef], cache: dict, packed: bool = False) -> dict[str, torch.Tensor]:
+    samples = [cache[ref.path] for ref in batch]
+    return pack_batch(samples) if packed else pad_batch(samples)
+
+
+def pack_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row ([N, ...], no padding) on their device; `lengths` (on
+    the CPU) gives each sample's length, from which the bounds and positions are made."""
+    as_index = {"input_ids", "loss_mask", "topk_ids"}
+    out = {key: torch.cat([s[key] for s in samples]) for key in samples[0]}
+    out = {key: v.long() if key in as_index else v for key, v in out.items()}
+    out["lengths"] = torch.tensor([s["input_ids"].shape[0] for s in samples])
+    return out
 
 
 def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -305,6 +355,196 @@ def ttt_loss(
     return total, losses, torch.stack(tallies)
 
 
+# ---------------------------------------------------------------------------------------------
+# Loss on a packed row: a fused, chunked LM head + soft cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedTeacher:
+    """The target's distribution over the draft vocabulary on a packed row, kept compact: the
+    draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
+    its float32 softmax) with their log-sum-exp, or the stored top-k; `rows_of` gives some of
+    its rows. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
+    `argmax` [N]: the teacher's own argmax over the draft vocabulary (for accuracy)."""
+
+    def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
+                 topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0):
+        self.in_draft, self.argmax, self.logits, self.topk = in_draft, argmax, logits, topk
+        self.draft_vocab_size = draft_vocab_size
+        self.lse = None if logits is None else _logsumexp_rows(logits)
+        self.rows = in_draft.shape[0]
+
+    def rows_of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows `index` as (logits, their log-sum-exp), or (float32 probabilities, None)
+        for the top-k teacher."""
+        if self.logits is not None:
+            return self.logits.index_select(0, index), self.lse.index_select(0, index)
+        ids, logprobs = self.topk
+        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index),
+                                 self.draft_vocab_size), None
+
+
+def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    return torch.cat([torch.logsumexp(logits[s : s + chunk_tokens].float(), dim=-1)
+                      for s in range(0, logits.shape[0], chunk_tokens)])
+
+
+@torch.no_grad()
+def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
+                   chunk_tokens: int = 4096) -> PackedTeacher:
+    """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V]."""
+    if "last_hidden_state" in batch:
+        flat = batch["last_hidden_state"].to(lm_head.dtype)
+        draft_head = lm_head[t2d]
+        logits, in_draft = [], []
+        for start in range(0, flat.shape[0], chunk_tokens):
+            h = flat[start : start + chunk_tokens]
+            in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
+            logits.append(h @ draft_head.T)
+        logits = torch.cat(logits)
+        return PackedTeacher(torch.cat(in_draft), logits.argmax(-1), logits=logits)
+    if "topk_ids" in batch:
+        ids, logprobs = batch["topk_ids"], batch["topk_logprobs"]
+        # the dense distribution's argmax: the first of the ids with the largest probability
+        best = torch.softmax(logprobs.float(), dim=-1)
+        top = best.max(-1, keepdim=True).values
+        argmax = torch.where(best == top, ids, draft_vocab_size).min(-1).values
+        return PackedTeacher(batch["target_in_draft"].bool(), argmax, topk=(ids, logprobs),
+                             draft_vocab_size=draft_vocab_size)
+    raise KeyError(f"the batch holds no teacher (last_hidden_state or topk_ids): keys {sorted(batch)}")
+
+
+# The per-chunk math of the loss, as plain functions of a chunk's logits z (the head's dtype)
+# and the teacher's chunk (logits t with lse_t, or probabilities p), so that `training.compile`
+# can fuse each into a kernel or two that read z and t once.
+def _ce_forward_logits(z, t, lse_t):
+    """(logsumexp(z), sum(p * z), argmax z) per row, p = exp(t - lse_t)."""
+    z = z.float()
+    return torch.logsumexp(z, dim=-1), (torch.exp(t.float() - lse_t[:, None]) * z).sum(-1), z.argmax(-1)
+
+
+def _ce_forward_probs(z, p):
+    z = z.float()
+    return torch.logsumexp(z, dim=-1), (p * z).sum(-1), z.argmax(-1)
+
+
+def _ce_grad_logits(z, lse, t, lse_t, w):
+    """d loss / d z = (softmax(z) - p) * w, in z's dtype."""
+    return ((torch.exp(z.float() - lse[:, None]) - torch.exp(t.float() - lse_t[:, None])) * w[:, None]).to(z.dtype)
+
+
+def _ce_grad_probs(z, lse, p, w):
+    return ((torch.exp(z.float() - lse[:, None]) - p) * w[:, None]).to(z.dtype)
+
+
+_CE_EAGER = (_ce_forward_logits, _ce_forward_probs, _ce_grad_logits, _ce_grad_probs)
+_ce_compiled: tuple | None = None
+
+
+def _ce_functions(compiled: bool) -> tuple:
+    global _ce_compiled
+    if not compiled:
+        return _CE_EAGER
+    if _ce_compiled is None:  # dynamic: the last chunk of a row has another length
+        _ce_compiled = tuple(torch.compile(f, dynamic=True) for f in _CE_EAGER)
+    return _ce_compiled
+
+
+class ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
+    of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole
+    (-sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1). Row t is fitted to
+    the teacher's row teacher_rows[t]. Backward recomputes each chunk's logits: dz = (softmax(z) - p)
+    * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden. Also returns,
+    without gradient, each row's argmax z (for accuracy)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, teacher_rows, chunk: int, compiled: bool):
+        fwd_logits, fwd_probs, _, _ = _ce_functions(compiled)
+        N = hidden.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(N, dtype=torch.int64, device=hidden.device)
+        for a in range(0, N, chunk):
+            b = min(a + chunk, N)
+            z = hidden[a:b] @ weight.T
+            t, lse_t = teacher.rows_of(teacher_rows[a:b])
+            lse[a:b], pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
+            loss = loss + (row_weights[a:b] * (lse[a:b] - pz)).sum()
+        ctx.save_for_backward(hidden, weight, row_weights, lse, teacher_rows)
+        ctx.teacher, ctx.chunk, ctx.compiled = teacher, chunk, compiled
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_argmax):
+        _, _, grad_logits, grad_probs = _ce_functions(ctx.compiled)
+        hidden, weight, row_weights, lse, teacher_rows = ctx.saved_tensors
+        N = hidden.shape[0]
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for a in range(0, N, ctx.chunk):
+            b = min(a + ctx.chunk, N)
+            z = hidden[a:b] @ weight.T
+            t, lse_t = ctx.teacher.rows_of(teacher_rows[a:b])
+            w = row_weights[a:b] * grad_loss
+            dz = grad_logits(z, lse[a:b], t, lse_t, w) if lse_t is not None else grad_probs(z, lse[a:b], t, w)
+            d_hidden[a:b] = dz @ weight
+            d_weight += (dz.T @ hidden[a:b]).float()
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None
+
+
+def packed_ttt_loss(
+    step_hidden: list[torch.Tensor],
+    model: Eagle3Drafter,
+    teacher: PackedTeacher,
+    loss_mask: torch.Tensor,
+    sample_end: torch.Tensor,
+    loss_decay: float,
+    chunk_tokens: int = 4096,
+    compute_dtype: torch.dtype = torch.float32,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """`ttt_loss` on a packed row, from each step's layer output [N, H] (pre-norm).
+
+    Step k at index t imitates the teacher at t+k+1, counted when token t+k+2 is an answer
+    token (loss_mask) AND lies in t's own sample (t+k+2 < sample_end[t]): the shifts run over
+    the whole row, and this mask is what keeps the next sample out (see
+    `Eagle3Drafter.ttt_forward_packed`). With the samples of a padded batch this is the padded
+    loss: the same positions, each averaged over the same count."""
+    N = loss_mask.shape[0]
+    index = torch.arange(N, device=loss_mask.device)
+    counted, included = [], []
+    for k in range(len(step_hidden)):
+        s = k + 1
+        c = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
+        c[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
+        c &= index + s + 1 < sample_end
+        i = c.clone()
+        i[: max(N - s, 0)] &= teacher.in_draft[s:]
+        counted.append(c)
+        included.append(i)
+    # Only rows that count at some step go through the head: prompt tokens (often a third of a
+    # row) never do. One read-back per batch, for the row count.
+    rows = torch.stack(counted).any(0).nonzero().squeeze(1)
+    total = torch.zeros((), device=loss_mask.device)
+    weight = model.lm_head.weight.to(compute_dtype)
+    losses, tallies = [], []
+    for k, hidden in enumerate(step_hidden):
+        s = k + 1
+        count = counted[k].sum()
+        include = included[k].index_select(0, rows)
+        teacher_rows = (rows + s).clamp(max=N - 1)  # rows past the end are not included
+        hidden_rows = model.norm(hidden.index_select(0, rows)).to(compute_dtype)
+        loss, argmax = ChunkedSoftCrossEntropy.apply(hidden_rows, weight, include.float() / count.clamp(min=1),
+                                                     teacher, teacher_rows, chunk_tokens, compiled)
+        total = total + loss_decay**k * loss
+        losses.append(loss.detach())
+        agree = argmax == teacher.argmax.index_select(0, teacher_rows)
+        tallies.append(torch.stack(((agree & include).sum(), count)))
+    return total, losses, torch.stack(tallies)
+
+
 def window_accuracy(window) -> list[float]:
     """Per-step top-1 accuracy over a window of [steps, 2] tallies (summed, then divided)."""
     if not window:
@@ -392,6 +632,12 @@ def build_draft_model(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafte
     embed, lm_head, _ = load_target_head(job.target_model_dir)
     config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(job.target_model_dir), job.draft_vocab_size,
                                               job.aux_layer_ids)
+    return place_draft_model(config, embed, lm_head, d2t, t2d, device)
+
+
+def place_draft_model(config: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
+                      t2d: torch.Tensor, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter of `config` on `device` as training runs it (also benchmarks/train_throughput.py)."""
     model = Eagle3Drafter(config, embed)
     model.set_vocab_map(d2t, t2d)
     model.to(device)
@@ -402,7 +648,8 @@ def build_draft_model(job: TrainJob, device: torch.device) -> tuple[Eagle3Drafte
 
 def plan_steps(cfg: TrainConfig, refs: list[SampleRef], world: int) -> tuple[int, int]:
     """(batches per epoch, optimizer steps): `max_steps`, else `epochs` passes over the data."""
-    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed)))
+    packed = cfg.attention != "padded"
+    batches = len(plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), packed))
     return batches, cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / world))
 
 
@@ -422,9 +669,21 @@ def build_data(refs: list[SampleRef], cfg: TrainConfig, dist: Dist, start_step: 
     return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world), preload_s
 
 
+def attention_impl(cfg: TrainConfig, device: torch.device) -> str:
+    """"padded", "flash" or "math" (see `TrainConfig.attention`)."""
+    if cfg.attention == "auto":
+        return "flash" if device.type == "cuda" else "math"
+    if cfg.attention == "flash" and device.type != "cuda":
+        raise ValueError(f"training.attention 'flash' needs a CUDA device (training on {device}); use 'auto' or 'math'")
+    return cfg.attention
+
+
 def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, batch: dict,
                 cfg: TrainConfig, device):
     """The TTT forward on one batch and its loss: (loss, per-step losses, per-step top-1 tallies)."""
+    impl = attention_impl(cfg, device)
+    if impl != "padded":
+        return run_forward_packed(model, target_head, t2d, draft_vocab_size, batch, cfg, device, impl)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
     batch = dequantize_features(batch)  # fp8 files: hidden states times their scales, here on the device
     # The target's distribution: lm_head(last hidden state), or the stored top-k.
@@ -432,6 +691,28 @@ def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         step_logits = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps)
     return ttt_loss(step_logits, target_p, target_in_draft, batch["loss_mask"], cfg.loss_decay)
+
+
+def run_forward_packed(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, batch: dict,
+                       cfg: TrainConfig, device, impl: str):
+    """`run_forward` on a packed row (`pack_batch`): bounds and positions from the CPU lengths."""
+    lengths = batch["lengths"]
+    starts = torch.cumsum(lengths, 0) - lengths
+    cu_seqlens = torch.cat((starts, lengths.sum()[None])).to(torch.int32)
+    positions = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    sample_end = torch.repeat_interleave(starts + lengths, lengths)
+    geometry = {"cu_seqlens": cu_seqlens, "positions": positions, "sample_end": sample_end}
+    batch = {k: v.to(device, non_blocking=True) for k, v in {**batch, **geometry}.items() if k != "lengths"}
+    batch = dequantize_features(batch)
+    teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        step_hidden = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps,
+                            cu_seqlens=batch["cu_seqlens"], positions=batch["positions"], max_len=int(lengths.max()),
+                            attention=impl)
+        drafter = model.module if hasattr(model, "module") else model
+        return packed_ttt_loss(step_hidden, drafter, teacher, batch["loss_mask"], batch["sample_end"], cfg.loss_decay,
+                               cfg.loss_chunk_tokens, compute_dtype, cfg.compile and device.type == "cuda")
 
 
 def run_backward_and_update(loss: torch.Tensor, model, optimizer, lr: float, cfg: TrainConfig) -> torch.Tensor:
@@ -452,10 +733,13 @@ class Progress:
     tokens_seen: int = 0
     loss_history: list[float] = field(default_factory=list)
     curve: list[dict] = field(default_factory=list)  # the logged points: step, time, loss, lr, accuracy
+    snapshots: list[dict] = field(default_factory=list)  # the copies written at snapshot_at_s: train_s, step, path
 
 
-def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
-    """Train a drafter until max_steps or the time budget (or a pause) and save it to `job.out_dir`."""
+def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
+                  on_point: Callable[[dict], None] | None = None) -> dict:
+    """Train a drafter until max_steps or the time budget (or a pause) and save it to `job.out_dir`.
+    `on_point(point)` gets each learning-curve point as it is logged (rank 0), to report it live."""
     cfg = job.config
     torch.manual_seed(cfg.seed)
     dist = setup(cfg.device)
@@ -464,11 +748,13 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         log = lambda msg: None  # noqa: E731 (rank 0 reports for all)
 
     # -- model, data plan, optimizer ---------------------------------------------------------
+    attention = attention_impl(cfg, device)  # a bad setting fails here, before any loading
     model, target_head = build_draft_model(job, device)
     refs = list_samples(job.shard_dirs)
     batches_per_epoch, max_steps = plan_steps(cfg, refs, dist.world)
     log(f"train: {len(refs)} samples, {sum(r.tokens for r in refs):,} tokens, {batches_per_epoch} batches per epoch, "
-        f"{max_steps} steps, {sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}")
+        f"{max_steps} steps, {sum(p.numel() for p in model.parameters()):,} drafter parameters, device {device}, "
+        f"attention {attention}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
     # -- resume --------------------------------------------------------------------------------
@@ -478,7 +764,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        progress = Progress(state["step"], state["tokens_seen"], state["loss_history"], state["curve"])
+        progress = Progress(state["step"], state["tokens_seen"], state["loss_history"], state["curve"],
+                            state.get("snapshots", []))
         trained_before_s = state["train_s"]
         torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the GPU
         log(f"train: resumed from {job.state_path} at step {progress.step} of {max_steps} "
@@ -527,11 +814,15 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
                 progress.curve.append({"step": step, "time_s": round(elapsed, 2), "loss": round(loss.item(), 5), "lr": lr,
                                        "accuracy": [round(a, 4) for a in window_accuracy(window)],
                                        "tokens_seen": progress.tokens_seen})
+                if on_point is not None and dist.main:
+                    on_point(progress.curve[-1])
                 log(f"step {step:5d} | loss {loss.item():.4f} | step-0 loss {float(step_losses[0]):.4f} | "
                     f"acc {' '.join(f'{a:.2f}' for a in window_accuracy([tallies]))} | lr {lr:.2e} | "
                     f"grad {float(grad_norm):.2f} | {progress.tokens_seen / elapsed:,.0f} tok/s")
             if job.state_path and dist.main and progress.step % cfg.save_every == 0 and progress.step < max_steps:
                 save_state()
+            if dist.main:
+                write_due_snapshots(model, job, progress, clock.trained_s, log)
     finally:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
@@ -542,6 +833,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     run_s = time.perf_counter() - clock.run_start
     paused = stopped == "paused"
     if dist.main:
+        # a value the stopping time passed after the last step's check: these are its weights
+        write_due_snapshots(model, job, progress, train_s, log)
         if job.state_path and paused:  # before the checkpoint moves the weights to the CPU
             save_state()
         save_checkpoint(model.cpu(), Path(job.out_dir), dtype=getattr(torch, cfg.checkpoint_dtype))
@@ -557,6 +850,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         "paused": paused,
         "epochs": progress.step * dist.world / batches_per_epoch,
         "curve": progress.curve,
+        "snapshots": progress.snapshots,
         "preload_s": preload_s,
         "tokens_seen": progress.tokens_seen,
         "final_loss": progress.loss_history[-1] if progress.loss_history else float("nan"),
@@ -570,7 +864,23 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         "resumed_from_step": resumed_from,
         "processes": dist.world,
         "device": str(device),
+        "attention": attention if attention != "flash" or drafter_module._Flash.ok else "math (flash failed)",
     }
+
+
+def write_due_snapshots(model, job: TrainJob, progress: Progress, trained_s: float, log) -> None:
+    """A checkpoint copy at each `snapshot_at_s` the training time (over all runs) has passed
+    and no run has written yet: <out_dir>/snapshots/t<seconds>/, the final checkpoint's writer
+    and dtype. A threshold passed by several at once gets one copy each (same weights)."""
+    done = {s["at_s"] for s in progress.snapshots}
+    for at_s in sorted(job.config.snapshot_at_s):
+        if at_s > trained_s or at_s in done:
+            continue
+        fraction = "" if float(at_s).is_integer() else f"{at_s % 1:.3f}"[1:]  # t00300, or t00000.500
+        path = Path(job.out_dir) / "snapshots" / f"t{int(at_s):05d}{fraction}"
+        save_checkpoint(model, path, dtype=getattr(torch, job.config.checkpoint_dtype))
+        progress.snapshots.append({"at_s": at_s, "train_s": round(trained_s, 2), "step": progress.step, "path": str(path)})
+        log(f"train: snapshot at {trained_s:.1f} s of training (step {progress.step}) in {path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,7 +891,7 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
 def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     """What a saved state was trained on; a state for other data or settings is not resumed.
     Knobs that do not change the trajectory (logging, saving, the time limits) are left out."""
-    ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
+    ignored = {"log_every", "save_every", "time_budget_s", "preload", "device", "snapshot_at_s", "loss_chunk_tokens"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
     with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
         files = [sorted(f.keys()), f.metadata() or {}]
@@ -594,7 +904,8 @@ def write_state(path, fingerprint: str, model, optimizer, progress: Progress, tr
     with atomic_path(path) as tmp:  # a killed save leaves the previous state intact
         torch.save({"fingerprint": fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "step": progress.step, "tokens_seen": progress.tokens_seen, "loss_history": progress.loss_history,
-                    "curve": progress.curve, "train_s": train_s, "rng": torch.get_rng_state()}, tmp)
+                    "curve": progress.curve, "snapshots": progress.snapshots, "train_s": train_s,
+                    "rng": torch.get_rng_state()}, tmp)
 
 
 def load_state(path, fingerprint: str, device):

@@ -1,8 +1,9 @@
 """Entry points of the GPU jobs, launched through Dagster Pipes (one process, or torchrun).
 
 Each job reads its parameters (a config dataclass) as JSON from $EAGLE3_JOB_PARAMS. Only rank
-0 opens the Pipes session (each asset may be reported once per session) and reports; every
-rank logs to stderr, the job's own log, also outside Dagster.
+0 opens the Pipes session (each asset may be reported once per session) and reports, its log
+lines through Pipes (once: not also on stderr); the other ranks, and a job run by hand, log to
+stderr.
 """
 
 from __future__ import annotations
@@ -32,11 +33,18 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
     if int(os.environ.get("RANK", 0)) != 0:
         work(params, stderr_log, None) if stream else work(params, stderr_log)
         return
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    under_dagster = PipesEnvVarParamsLoader().is_dagster_pipes_process()
     with open_dagster_pipes() as pipes:
 
         def log(msg: str) -> None:
-            stderr_log(msg)
-            pipes.log.info(msg)
+            # Under Dagster the line goes through Pipes only: Dagster prints it (and keeps it in the
+            # run's log); a copy on stderr would print every line twice. Run by hand: stderr.
+            if under_dagster:
+                pipes.log.info(msg)
+            else:
+                stderr_log(msg)
 
         report(pipes, params, work(params, log, pipes) if stream else work(params, log))
 

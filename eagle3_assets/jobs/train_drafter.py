@@ -7,8 +7,15 @@ continues the same run.
 
 from __future__ import annotations
 
+import json
+
 from ..core.train import TrainJob, train_drafter
 from . import json_value, path, run_job
+
+# A learning-curve point travels as a Pipes log line with this prefix, sent as training logs it:
+# Pipes delivers log lines while the job runs (custom messages only at its end), and the
+# `drafter` asset turns each into an observation at once (assets/drafter.py).
+CURVE_POINT = "eagle3 learning-curve point: "
 
 
 class TrainingPaused(RuntimeError):
@@ -36,6 +43,8 @@ def report(pipes, job: TrainJob, m: dict) -> None:
             "train_s": round(m["train_s"], 2),
             "preload_s": round(m["preload_s"], 2),
             "tokens_per_s": round(m["tokens_per_s"], 1),
+            "attention": m["attention"],
+            "snapshots": json_value(m["snapshots"]),
             "processes": m["processes"],
             "aux_layer_ids": json_value(list(job.aux_layer_ids)),
             "device": m["device"],
@@ -44,5 +53,12 @@ def report(pipes, job: TrainJob, m: dict) -> None:
     )
 
 
+def work(job: TrainJob, log, pipes) -> dict:
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    live = pipes is not None and PipesEnvVarParamsLoader().is_dagster_pipes_process()
+    return train_drafter(job, log, on_point=(lambda p: pipes.log.info(CURVE_POINT + json.dumps(p))) if live else None)
+
+
 if __name__ == "__main__":
-    run_job(TrainJob, train_drafter, report)
+    run_job(TrainJob, work, report, stream=True)
