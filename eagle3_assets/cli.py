@@ -113,9 +113,18 @@ def summary(instance, keys: list[str]) -> str:
     lines.append(
         f"acceptance length tau: {_cell(e.get('tau'), 3) or '-'} over {e.get('prompts_used', '-')} prompts "
         f"({', '.join(e.get('prompt_sets') or []) or '-'}; K={e.get('num_draft_tokens', '-')}, "
-        f"speed-up {e.get('speedup', '-')}x)"
+        f"{_speedups(e)})"
     )
     return "\n".join(lines)
+
+
+def _speedups(e: dict) -> str:
+    """"batch 1 speed-up 1.85x, batch 16 slow-down 0.93x" from drafter_eval's metadata."""
+    from .core.evaluate import speed_text
+
+    done = [f"batch {b} {speed_text(e[f'speedup_b{b}'])}" for b in e.get("speedup_batches") or []
+            if isinstance(e.get(f"speedup_b{b}"), (int, float))]
+    return ", ".join(done) or "no speed-up measured"
 
 
 def _num(x) -> str:

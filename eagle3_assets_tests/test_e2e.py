@@ -99,10 +99,14 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     ev = by_asset["drafter_eval"][0]["metadata"]
     assert 1.0 <= ev["tau"] <= 8.0 and ev["prompts_used"] == 2 and ev["tau_mt-bench"] == ev["tau"]
     assert ev["greedy_check_matches"] == ev["greedy_check_prompts"] == 2  # float32: speculative == plain greedy
+    # Batch 1 and batch 16 asked; 2 prompts: batch 2. Both sides' tokens/s and their ratio.
+    assert ev["speedup_batches"] == [1, 2] and ev["engine"] == "batched"
+    assert all(ev[f"spec_tok_s_b{b}"] > 0 and ev[f"greedy_tok_s_b{b}"] > 0 for b in (1, 2))
     assert any(line.startswith("acceptance length tau:") for line in summary(instance, keys).splitlines())
 
     # The model card beside the drafter and each export, from the figures the run recorded.
     card = (ckpt / "README.md").read_text()
+    assert "| batch | prompts | plain greedy tok/s | speculative tok/s |" in card
     assert f"tau {ev['tau']:.3f}" in card and f"{sum(hs[k]['samples'] for k in keys):,} samples" in card
     assert "| embedded:sharegpt | 9 |" in card and f"{drafter['steps']:,} steps" in card
     assert "--speculative-draft-model-path ./sglang " in card and '"method": "eagle3"' in card

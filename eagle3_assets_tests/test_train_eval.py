@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import json
 
@@ -231,25 +232,135 @@ def test_mtbench_first_turns_come_from_flexeval():
     assert len(turns) == 80 and all(isinstance(t, str) and t for t in turns)
 
 
-def test_evaluation_reports_each_prompt_set_and_worker_processes_change_nothing(world, trained, tmp_path):
+def test_evaluation_reports_each_prompt_set_and_the_batched_engine_measures_what_the_reference_does(
+        world, trained, tmp_path, monkeypatch):
     """`evaluate`: every prompt set on its own (MT-bench and a file with categories), tau by
-    category, the float32 check; 2 worker processes measure exactly what one process does."""
-    from eagle3_assets.core.evaluate import MT_BENCH, EvalConfig, EvalJob, evaluate
+    category, the speed-up per batch size, the float32 check, the phases' times; the batched
+    engine's per-prompt rows equal those of the per-prompt reference decoder (the path of
+    targets the engine does not run), step counts and acceptance included."""
+    from eagle3_assets.core import evaluate as ev
 
     make_tiny_tokenizer().save_pretrained(world["model_dir"])  # evaluate reads the target folder's tokenizer
     eval_file = tmp_path / "mine.jsonl"
     eval_file.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in
                                    [(PROMPTS[0], "greeting"), (PROMPTS[1], "math"), ("abc", "math")]))
-    cfg = EvalConfig(prompt_sets=[str(eval_file), MT_BENCH], num_prompts=3, max_new_tokens=12, num_draft_tokens=3,
-                     device="cpu", speedup_prompts=0, greedy_check_prompts=1)
+    cfg = ev.EvalConfig(prompt_sets=[str(eval_file), ev.MT_BENCH], num_prompts=3, max_new_tokens=12,
+                        num_draft_tokens=3, device="cpu", batch_size=4, speedup_prompts=1,
+                        speedup_batch_sizes=[1, 2, 16], greedy_check_prompts=2)
     logs = []
-    one = evaluate(EvalJob(str(world["model_dir"]), str(trained["out"]), cfg), log=logs.append)
-    two = evaluate(EvalJob(str(world["model_dir"]), str(trained["out"]), dataclasses.replace(cfg, workers=2)),
-                   log=lambda m: None)
+    one = ev.evaluate(ev.EvalJob(str(world["model_dir"]), str(trained["out"]), cfg), log=logs.append)
     assert list(one["sets"]) == ["mine", "mt-bench"] and one["tau"] == one["sets"]["mine"]["tau"]
     assert set(one["sets"]["mine"]["tau_by_category"]) == {"greeting", "math"}
-    assert one["sets"]["mt-bench"]["prompts_used"] == 3 and one["greedy_check_matches"] == 1
-    drop = ("spec_s",)
-    assert [{k: v for k, v in r.items() if k not in drop} for r in two["per_prompt"]] == [
-        {k: v for k, v in r.items() if k not in drop} for r in one["per_prompt"]]
+    assert one["sets"]["mt-bench"]["prompts_used"] == 3 and one["greedy_check_matches"] == 2
+    assert one["engine"] == "batched" and one["batch_size"] == 4 and not one["cuda_graph"]
+    # Batch 16 on a 3-prompt set decodes 3 rows at once, and says so.
+    assert one["speedup_batches"] == [1, 2, 3] and one["speedup_prompts_b1"] == 1 and one["speedup_prompts_b3"] == 3
+    for b in (1, 2, 3):
+        assert one[f"speedup_b{b}"] == pytest.approx(one[f"spec_tok_s_b{b}"] / one[f"greedy_tok_s_b{b}"])
+    assert all(one[k] > 0 for k in ("load_s", "acceptance_s", "speedup_s", "check_s"))
+    assert one["eval_s"] >= one["load_s"] + one["acceptance_s"] + one["speedup_s"] + one["check_s"]
     assert any(line.startswith("eval: 6/6 prompts") for line in logs)
+    assert any(line.startswith("eval: batch 2, 2 prompts: plain greedy") for line in logs)
+
+    monkeypatch.setattr(ev, "native_supported", lambda model: (False, "a test"))
+    ref = ev.evaluate(ev.EvalJob(str(world["model_dir"]), str(trained["out"]),
+                                 dataclasses.replace(cfg, greedy_check_prompts=1)), log=lambda m: None)
+    assert ref["engine"] == "per-prompt" and "speedup_batches" not in ref and ref["greedy_check_matches"] == 1
+    assert one["per_prompt"] == [{k: v for k, v in r.items() if k != "spec_s"} for r in ref["per_prompt"]]
+    assert one["sets"] == ref["sets"] and one["tau"] > 1.5
+
+
+def test_speed_ratio_below_one_reads_as_a_slow_down():
+    from eagle3_assets.core.evaluate import speed_text
+
+    assert speed_text(0.59) == "slow-down 0.59x" and speed_text(1.854) == "speed-up 1.85x"
+
+
+def test_model_card_gives_both_sides_tokens_per_s_per_batch_size(tmp_path):
+    from eagle3_assets.core.model_card import model_card
+
+    training = {"steps": 10, "epochs": 1.0, "tokens_seen": 100, "train_s": 5.0, "processes": 1, "device": "cpu",
+                "stopped_by": "max_steps", "final_loss": 1.0}
+    evaluation = {"tau": 2.5, "prompts_used": 16, "sets": {"mt-bench": {"tau": 2.5, "prompts_used": 16,
+                                                                        "tau_by_category": {"coding": 2.5}}},
+                  "config": {"max_new_tokens": 256}, "dtype": "bfloat16", "cuda_graph": True,
+                  "per_position_acceptance": [0.9, 0.6], "speedup_batches": [1, 16],
+                  "speedup_b1": 1.9, "greedy_tok_s_b1": 700.0, "spec_tok_s_b1": 1330.0, "speedup_prompts_b1": 4,
+                  "speedup_b16": 0.59, "greedy_tok_s_b16": 11000.0, "spec_tok_s_b16": 6490.0,
+                  "speedup_prompts_b16": 16}
+    exports = {k: tmp_path / k for k in ("vllm", "speculators", "sglang")}
+    card = model_card("org/target", {}, [], {}, training, evaluation, exports, 2)
+    assert "| 1 | 4 | 700 | 1,330 | speed-up 1.90x |" in card
+    assert "| 16 | 16 | 11,000 | 6,490 | slow-down 0.59x |" in card
+    assert "bfloat16, CUDA graphs on both sides" in card
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+BATCH_PROMPTS = PROMPTS + ["abc", "a much longer question about the weather in many cities", "x", "hello there, friend"]
+
+
+def _batched_equals_greedy_and_reference(world, drafter, device: str, cuda_graph: bool, static_span: bool = False):
+    """In float32, batched speculative decoding (batches of 4: one full, one partial) gives every
+    prompt's plain greedy answer and, step by step, the reference decoder's accepted lengths;
+    with K = 0 it is plain greedy. Rows end at different times: at an EOS of their own (two
+    tokens the answers contain, made EOS ids) or at max_new_tokens."""
+    from eagle3_assets.core.evaluate import greedy_decode, speculative_decode
+    from eagle3_assets.core.spec_decode import SpecDecoder
+
+    target, N, K = world["target"], 40, 3
+    ids = [_chat_ids(world["tokenizer"], p) for p in BATCH_PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids)  # every row its own length
+    free = [greedy_decode(target, torch.tensor([i]), N, set()) for i in ids]
+    eos = {free[0][15], free[3][5]}
+    want = [greedy_decode(target, torch.tensor([i]), N, eos) for i in ids]
+    assert len({len(w) for w in want}) >= 3 and any(len(w) == N and w[-1] not in eos for w in want)
+    assert sum(w[-1] in eos for w in want) >= 2
+    ref = [speculative_decode(target, drafter, torch.tensor([i]), N, K, AUX, eos) for i in ids]
+    assert all(r[0] == w for r, w in zip(ref, want))
+    model, drafter = (target, drafter) if device == "cpu" else (copy.deepcopy(target).to(device),
+                                                                copy.deepcopy(drafter).to(device))
+    dec = SpecDecoder(model, drafter, ids, eos_ids=sorted(eos), max_new_tokens=N, max_draft_tokens=K,
+                      max_batch=4, cuda_graph=cuda_graph)
+    assert dec.use_graph == (device == "cuda" and cuda_graph)
+    if static_span:  # also: prefill in groups of one or two rows (a small prefill token budget)
+        dec.static_span, dec.eng.plan.prefill_tokens = True, 60
+    spec, greedy = dec.run(ids, K), dec.run(ids, 0)
+    assert [r.tokens for r in spec] == want and [r.tokens for r in greedy] == want
+    assert [r.accepted for r in spec] == [r[1] for r in ref]
+    assert [r.eos for r in spec] == [w[-1] in eos for w in want]
+    return [r[1] for r in ref]
+
+
+def test_batched_speculative_decoding_equals_greedy_and_the_reference_decoder(world, trained):
+    embed, _, _ = load_target_head(world["model_dir"])
+    accepted = _batched_equals_greedy_and_reference(world, load_checkpoint(trained["out"], embed), "cpu", False)
+    steps = [a for row in accepted for a in row]
+    assert max(steps) == 3 and min(steps) == 0  # full chains accepted and rejected ones: both paths run
+
+
+def test_batched_speculative_decoding_with_a_random_drafter_and_the_graphs_static_shapes(world, trained):
+    """A drafter that is mostly rejected; and every step over the whole cache, as the CUDA graph
+    runs it (finished rows keep writing past their length, masked), the prompts prefilled in
+    several groups."""
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter(DrafterConfig.from_target_config(world["target"].config, 64, AUX),
+                            world["target"].model.embed_tokens.weight).eval()
+    _batched_equals_greedy_and_reference(world, drafter, "cpu", False)
+    embed, _, _ = load_target_head(world["model_dir"])
+    _batched_equals_greedy_and_reference(world, load_checkpoint(trained["out"], embed), "cpu", False, static_span=True)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graph)")
+
+
+@cuda
+def test_batched_speculative_decoding_under_cuda_graphs_equals_greedy(world, trained):
+    embed, _, _ = load_target_head(world["model_dir"])
+    drafter = load_checkpoint(trained["out"], embed)
+    for graph in (False, True):
+        _batched_equals_greedy_and_reference(world, drafter, "cuda", graph)

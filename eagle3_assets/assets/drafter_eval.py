@@ -19,7 +19,7 @@ from ..policies import GPU_POOL
 from ..resources import layout
 from ..settings import Settings
 
-CODE_VERSION = "2"
+CODE_VERSION = "3"
 SETTINGS_USED = ("target_model", "eval")
 
 
@@ -53,9 +53,10 @@ def build(settings: Settings):
         per_set = {f"tau_{name}": round(s["tau"], 4) for name, s in r["sets"].items()}
         record = _record(context, settings, keys, shards_now, _latest_metadata(context, "drafter"),
                          _latest_metadata(context, "prompts"))
+        speed = [f"{k}_b{b}" for b in r.get("speedup_batches", [])
+                 for k in ("speedup", "greedy_tok_s", "spec_tok_s", "speedup_prompts")]
         optional = {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
-                    for k in ("speedup", "spec_s", "greedy_s", "speedup_prompts", "greedy_check_matches",
-                              "greedy_check_prompts") if k in r}
+                    for k in (*speed, "greedy_check_matches", "greedy_check_prompts") if k in r}
         metadata = {
             "tau": round(r["tau"], 4),
             **per_set,
@@ -69,11 +70,13 @@ def build(settings: Settings):
             **optional,
             "num_draft_tokens": settings.eval.num_draft_tokens,
             "prompt_sets": MetadataValue.json(list(r["sets"])),
+            "speedup_batches": MetadataValue.json(r.get("speedup_batches", [])),
+            "engine": r["engine"],
+            "batch_size": r["batch_size"],
             "workers": r["workers"],
             "dtype": r["dtype"],
             "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
-            "acceptance_s": round(r["acceptance_s"], 2),
-            "eval_s": round(r["eval_s"], 2),
+            **{k: round(r[k], 2) for k in ("load_s", "acceptance_s", "speedup_s", "check_s", "eval_s")},
             "path": MetadataValue.path(str(paths.drafter_eval)),
             "model_card": MetadataValue.md(card),
             **record,

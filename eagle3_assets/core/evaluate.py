@@ -1,4 +1,4 @@
-"""Measure a drafter by real greedy speculative decoding against its target (batch size 1).
+"""Measure a drafter by real greedy speculative decoding against its target.
 
 Each verification step: the drafter proposes a chain of K tokens; the target scores the newest
 token plus the K drafts in one forward pass over its KV cache; the longest prefix of drafts
@@ -6,10 +6,13 @@ that equals the target's own greedy choices is accepted, plus the target's next 
 output is therefore the target's greedy output (up to floating-point ties), which is checked
 in float32 against plain greedy decoding on a few prompts.
 
-`evaluate` runs a whole evaluation: every configured prompt set (MT-bench first turns by
-default), each reported on its own; `workers` processes share the device (batch-1 decoding
-leaves a GPU mostly idle), then, alone on the device, the wall-clock speed-up against plain
-greedy and the float32 identity check.
+`evaluate` runs a whole evaluation in one process: every configured prompt set (MT-bench first
+turns by default), each reported on its own, all prompts decoded at once by the batched engine
+of `core/spec_decode.py` (each row accepts its own length; CUDA graphs on the GPU); then the
+speed-up against the same engine's plain greedy decoding at a few batch sizes, and the float32
+check. Targets that engine does not run (MoE, MLA) go through the reference decoder below
+(`speculative_decode`: transformers, one prompt at a time, `workers` processes), without a
+speed-up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 
 from .config import STRICT, NonNegativeInt, PositiveInt, require
 from .drafter import DrafterCache, Eagle3Drafter, load_checkpoint
+from .native_generate import native_supported
+from .spec_decode import SpecDecoder, SpecRow, finish
 from .target import eos_token_ids, load_model, load_tokenizer, pick_device
 
 MT_BENCH = "embedded:mt-bench"
@@ -46,8 +51,16 @@ class EvalConfig:
     num_draft_tokens: PositiveInt = 7
     device: str = "auto"
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
-    workers: PositiveInt = 1  # processes sharing the device, each with its own target and drafter
-    speedup_prompts: NonNegativeInt = 2  # timed against plain greedy afterwards, alone on the device
+    batch_size: PositiveInt = 128  # rows the batched engine decodes at once (more prompts: several batches)
+    cuda_graph: bool = True  # the batched engine's step as one CUDA graph (CUDA only)
+    # Processes of the per-prompt reference decoder, used only for targets the batched engine does
+    # not run (MoE, MLA); ignored otherwise.
+    workers: PositiveInt = 1
+    # Speed-up against the same engine's plain greedy decoding (graphs on both sides): each batch
+    # size b of speedup_batch_sizes is timed on the first max(b, speedup_prompts) prompts of the
+    # first set, b at a time (fewer rows where there are fewer prompts); 0: no timing.
+    speedup_prompts: NonNegativeInt = 4
+    speedup_batch_sizes: list[PositiveInt] = field(default_factory=lambda: [1, 16])
     greedy_check_prompts: NonNegativeInt = 2  # float32: the speculative output must equal plain greedy
 
     def __post_init__(self):
@@ -121,12 +134,12 @@ def _prompt_ids(tokenizer, prompt: str, device, system: str | None = None) -> to
     return ids.to(device)
 
 
-def _finish(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
-    tokens = tokens[:max_new_tokens]
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
+_finish = finish  # cut at max_new_tokens, then after the first EOS (the batched engine's rule too)
+
+
+def speed_text(ratio: float) -> str:
+    """"speed-up 1.85x", or "slow-down 0.59x" where speculative decoding was slower."""
+    return f"{'speed-up' if ratio >= 1 else 'slow-down'} {ratio:.2f}x"
 
 
 def _cache_kwarg(model) -> str:
@@ -338,27 +351,141 @@ def summarize(rows: list[dict], num_draft_tokens: int) -> dict:
     }
 
 
+def _set_tables(rows: list[dict], num_draft_tokens: int, log) -> dict:
+    """Per prompt set: the summary and tau by category."""
+    sets: dict[str, dict] = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        sets[name] = summarize(mine, num_draft_tokens)
+        sets[name]["tau_by_category"] = {c: summarize([r for r in mine if r["category"] == c], num_draft_tokens)["tau"]
+                                         for c in dict.fromkeys(r["category"] for r in mine)}
+        log(f"eval: {name}: tau {sets[name]['tau']:.3f} over {len(mine)} prompts; by category "
+            f"{ {c: round(t, 3) for c, t in sets[name]['tau_by_category'].items()} }")
+    return sets
+
+
+def _row(p: EvalPrompt, r: SpecRow, num_draft_tokens: int) -> dict:
+    """One prompt's acceptance counts (the per-prompt row; no time: the rows share a batch)."""
+    return {"set": p.set, "id": p.id, "category": p.category, "verify_steps": len(r.accepted),
+            "tokens_per_step_sum": sum(a + 1 for a in r.accepted),
+            "accepted_at": [sum(a > i for a in r.accepted) for i in range(num_draft_tokens)],
+            "new_tokens": len(r.tokens)}
+
+
+def _timed(dec: SpecDecoder, ids: list[list[int]], k: int, batch: int) -> tuple[float, int]:
+    """(seconds, answer tokens) of decoding `ids` `batch` rows at a time, the graph captured beforehand."""
+    dec.runner(batch, k)
+    _sync(dec.device)
+    t = time.perf_counter()
+    out = dec.run(ids, k, batch)  # ends by reading the answers back: synchronized
+    return time.perf_counter() - t, sum(len(r.tokens) for r in out)
+
+
+def measure_speedup(dec: SpecDecoder, ids: list[list[int]], num_draft_tokens: int, batch_sizes: list[int],
+                    min_prompts: int, log=print) -> dict:
+    """Target tokens/s of plain greedy (K = 0) and of speculative decoding in the same engine, per
+    batch size: keys speedup_b{b}, greedy_tok_s_b{b}, spec_tok_s_b{b}, speedup_prompts_b{b} and
+    speedup_batches (b is the rows decoded at once: fewer than asked where prompts or caches are)."""
+    out: dict = {"speedup_batches": []}
+    for asked in batch_sizes:
+        sel = ids[: max(asked, min_prompts)]
+        b = min(asked, len(sel), dec.max_batch)
+        if not sel or b in out["speedup_batches"]:
+            continue
+        greedy_s, greedy_n = _timed(dec, sel, 0, b)
+        spec_s, spec_n = _timed(dec, sel, num_draft_tokens, b)
+        g, s = greedy_n / greedy_s, spec_n / spec_s
+        out["speedup_batches"].append(b)
+        out.update({f"speedup_b{b}": s / g, f"greedy_tok_s_b{b}": g, f"spec_tok_s_b{b}": s,
+                    f"speedup_prompts_b{b}": len(sel)})
+        log(f"eval: batch {b}, {len(sel)} prompts: plain greedy {g:,.0f} tok/s, speculative {s:,.0f} tok/s: "
+            f"{speed_text(s / g)}")
+    return out
+
+
 def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
-    """tau per prompt set (and per category), the speed-up against plain greedy, the float32 check."""
+    """tau per prompt set (and per category), the speed-up against plain greedy, the float32
+    check; the phases' times as load_s, acceptance_s, speedup_s, check_s and eval_s."""
     cfg = job.config
     device = pick_device(cfg.device)
     dtype = cfg.torch_dtype(device)
-    prompts = [p for source in cfg.prompt_sets for p in load_prompt_set(source, cfg.num_prompts)]
     t0 = time.perf_counter()
-    pair = None
+    prompts = [p for source in cfg.prompt_sets for p in load_prompt_set(source, cfg.num_prompts)]
+    pair = _load_pair(job, dtype)
+    supported, why = native_supported(pair[0])
+    if not supported:
+        log(f"eval: the batched engine does not run this target ({why}); the per-prompt reference decoder "
+            f"runs it, without a speed-up")
+        return _evaluate_per_prompt(job, prompts, pair, t0, log)
+    target, tokenizer, drafter = pair
+    K, N = cfg.num_draft_tokens, cfg.max_new_tokens
+    eos = eos_token_ids(target, tokenizer)
+    ids = [_prompt_ids(tokenizer, p.prompt, "cpu", p.system)[0].tolist() for p in prompts]
+    dec = SpecDecoder(target, drafter, ids, eos_ids=eos, max_new_tokens=N, max_draft_tokens=K,
+                      max_batch=cfg.batch_size, cuda_graph=cfg.cuda_graph, log=log)
+    dec.runner(min(dec.max_batch, len(ids)), K)  # the graph captured now: load_s counts it
+    load_s = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    rows = [_row(p, r, K) for p, r in zip(prompts, dec.run(ids, K))]
+    acceptance_s = time.perf_counter() - t
+    log(f"eval: {len(rows)}/{len(prompts)} prompts, tau {summarize(rows, K)['tau']:.3f}, in batches of "
+        f"{min(dec.max_batch, len(ids))} ({acceptance_s:.1f} s, CUDA graph {'on' if dec.use_graph else 'off'})")
+    sets = _set_tables(rows, K, log)
+    result = {"sets": sets, **next(iter(sets.values())), "per_prompt": rows, "engine": "batched",
+              "batch_size": min(dec.max_batch, len(ids)), "cuda_graph": dec.use_graph, "workers": 1,
+              "dtype": str(dtype).removeprefix("torch."), "config": asdict(cfg), "load_s": load_s,
+              "acceptance_s": acceptance_s}
+
+    first_set = [i for i, p in zip(ids, prompts) if p.set == prompts[0].set]
+    t = time.perf_counter()
+    if cfg.speedup_prompts and cfg.speedup_batch_sizes:
+        result.update(measure_speedup(dec, first_set, K, cfg.speedup_batch_sizes, cfg.speedup_prompts, log))
+    result["speedup_s"] = time.perf_counter() - t
+    del dec, pair, target, drafter
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    t = time.perf_counter()
+    if cfg.greedy_check_prompts:
+        target32, _, drafter32 = _load_pair(job, torch.float32)
+        sel = first_set[: cfg.greedy_check_prompts]
+        dec32 = SpecDecoder(target32, drafter32, sel, eos_ids=eos, max_new_tokens=N, max_draft_tokens=K,
+                            max_batch=len(sel), cuda_graph=cfg.cuda_graph, log=log)
+        spec, greedy = dec32.run(sel, K), dec32.run(sel, 0)
+        matches = sum(a.tokens == b.tokens for a, b in zip(spec, greedy))
+        result.update(greedy_check_matches=matches, greedy_check_prompts=len(sel))
+        log(f"eval: float32 check: the speculative output equals plain greedy on {matches} of {len(sel)} prompts "
+            f"(batched)")
+        del dec32, target32, drafter32
+    result["check_s"] = time.perf_counter() - t
+    result["eval_s"] = time.perf_counter() - t0
+    log(f"eval: {result['eval_s']:.1f} s: load and capture {load_s:.1f}, acceptance {acceptance_s:.1f}, speed-up "
+        f"{result['speedup_s']:.1f}, float32 check {result['check_s']:.1f}")
+    return result
+
+
+def _evaluate_per_prompt(job: EvalJob, prompts: list[EvalPrompt], pair, t0: float, log) -> dict:
+    """The reference decoder, one prompt at a time (`workers` processes share the device), and the
+    float32 check with transformers' plain greedy; no speed-up (its timings measure Python)."""
+    cfg = job.config
+    dtype = cfg.torch_dtype(pick_device(cfg.device))
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
     done: list[dict] = []
 
     def progress(row: dict) -> None:
         done.append(row)
         log(f"eval: {len(done)}/{len(prompts)} prompts, tau so far {summarize(done, cfg.num_draft_tokens)['tau']:.3f} "
-            f"({time.perf_counter() - t0:.0f} s)")
+            f"({time.perf_counter() - t1:.0f} s)")
 
     if cfg.workers == 1:
-        pair = _load_pair(job, dtype)
         for p in prompts:
             progress(_measure_prompt(*pair, p, cfg))
         rows = done
     else:
+        del pair
+        pair = None
         threads = max(1, (os.cpu_count() or 1) // cfg.workers)
         with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn"), initializer=_worker_init,
                                  initargs=(job, threads)) as pool:
@@ -366,25 +493,13 @@ def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
             for f in as_completed(futures):
                 progress(f.result())
             rows = [f.result() for f in futures]  # in the prompt sets' order
-    acceptance_s = time.perf_counter() - t0
-    sets: dict[str, dict] = {}
-    for name in dict.fromkeys(r["set"] for r in rows):
-        mine = [r for r in rows if r["set"] == name]
-        sets[name] = summarize(mine, cfg.num_draft_tokens)
-        sets[name]["tau_by_category"] = {c: summarize([r for r in mine if r["category"] == c], cfg.num_draft_tokens)["tau"]
-                                         for c in dict.fromkeys(r["category"] for r in mine)}
-        log(f"eval: {name}: tau {sets[name]['tau']:.3f} over {len(mine)} prompts; by category "
-            f"{ {c: round(t, 3) for c, t in sets[name]['tau_by_category'].items()} }")
-    result = {"sets": sets, **next(iter(sets.values())), "per_prompt": rows, "acceptance_s": acceptance_s,
-              "workers": cfg.workers, "dtype": str(dtype).removeprefix("torch."), "config": asdict(cfg)}
-
-    # Alone on the device now: the wall-clock comparison is fair.
+    acceptance_s = time.perf_counter() - t1
+    sets = _set_tables(rows, cfg.num_draft_tokens, log)
+    result = {"sets": sets, **next(iter(sets.values())), "per_prompt": rows, "engine": "per-prompt",
+              "batch_size": 1, "workers": cfg.workers, "dtype": str(dtype).removeprefix("torch."),
+              "config": asdict(cfg), "load_s": load_s, "acceptance_s": acceptance_s, "speedup_s": 0.0}
+    t = time.perf_counter()
     first_set = [p.prompt for p in prompts if p.set == rows[0]["set"]] if rows else []
-    if cfg.speedup_prompts:
-        pair = pair or _load_pair(job, dtype)
-        m = measure_acceptance(*pair, first_set[: cfg.speedup_prompts], cfg.max_new_tokens, cfg.num_draft_tokens)
-        result.update(speedup=m["speedup"], spec_s=m["spec_s"], greedy_s=m["greedy_s"], speedup_prompts=m["prompts_used"])
-        log(f"eval: speed-up {m['speedup']:.2f}x against plain greedy on {m['prompts_used']} prompts ({result['dtype']})")
     if cfg.greedy_check_prompts:
         del pair  # the float32 copy takes its place
         pair32 = _load_pair(job, torch.float32)
@@ -392,5 +507,6 @@ def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
         result.update(greedy_check_matches=m["matches_greedy"], greedy_check_prompts=m["prompts_used"])
         log(f"eval: float32 check: the speculative output equals plain greedy on {m['matches_greedy']} of "
             f"{m['prompts_used']} prompts")
+    result["check_s"] = time.perf_counter() - t
     result["eval_s"] = time.perf_counter() - t0
     return result

@@ -11,6 +11,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .evaluate import speed_text
+
 CARD_NAME = "README.md"
 
 
@@ -117,9 +119,15 @@ def model_card(
         "",
         _table([f"pos {i}" for i in range(len(pos))], [[f"{a:.3f}" for a in pos]]),
     ]
-    if "speedup" in evaluation:
-        out += ["", f"Wall-clock speed-up against plain greedy decoding on {evaluation['speedup_prompts']} prompt(s), "
-                    f"in our reference decoder (not a serving engine): {evaluation['speedup']:.2f}x."]
+    batches = evaluation.get("speedup_batches") or []
+    if batches:
+        out += ["", "Target tokens per second, speculative against plain greedy decoding in the same batched engine "
+                    f"(ours, {evaluation['dtype']}, {'CUDA graphs' if evaluation.get('cuda_graph') else 'eager'} on "
+                    "both sides; not a serving engine):", "",
+                _table(["batch", "prompts", "plain greedy tok/s", "speculative tok/s", ""],
+                       [[b, evaluation[f"speedup_prompts_b{b}"], f"{evaluation[f'greedy_tok_s_b{b}']:,.0f}",
+                         f"{evaluation[f'spec_tok_s_b{b}']:,.0f}", speed_text(evaluation[f"speedup_b{b}"])]
+                        for b in batches])]
     if "greedy_check_prompts" in evaluation:
         out += ["", f"In float32 the speculative output equals plain greedy on {evaluation['greedy_check_matches']} of "
                     f"{evaluation['greedy_check_prompts']} prompts."]
