@@ -221,6 +221,7 @@ def cmd_report(args) -> int:
     from .core.report import manifests_summary, throughput_report
     from .definitions import SETTINGS
 
+    print_drafters(history(_instance()))
     # The table alone: no shape line, no dtype row; numbers with thousands separators.
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
                    tbl_hide_column_data_types=True, tbl_hide_dtype_separator=True, thousands_separator=","):
@@ -232,15 +233,26 @@ def cmd_report(args) -> int:
     return 0
 
 
+def print_drafters(rows: list[dict]) -> None:
+    """Every drafter_eval materialization compared: tau per set and category, the data, the
+    training, and the settings changed since the drafter before (`core/report.py`)."""
+    from .core.report import drafter_rows, format_comparison
+
+    print(format_comparison(drafter_rows(rows)))
+    print()
+
+
 # ---------------------------------------------------------------------------------------------
 # eagle3 plan
 
 
-def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None, instance=None) -> dict:
+def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float | None = None, instance=None,
+                       quick: bool = False) -> dict:
     """What a run of `settings` will write and take (`core/plan.py`). With `instance`, from what
     `eagle3 run` would do there: the prompts table on disk only if it would keep it (else the one
     these settings build), a shard done only if it would not extract it again. Without one,
-    what is on disk counts as current. Times from `history_rows` (same kind of device)."""
+    what is on disk counts as current. Times from `history_rows` (same kind of device). `quick`:
+    a table to build is built without a tokenizer, each prompt counted at `max_prompt_tokens`."""
     from transformers import AutoConfig
 
     from .assets.prompts import build_table
@@ -248,6 +260,7 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     from .core import plan
     from .core.evaluate import load_prompt_set
     from .core.layout import Layout
+    from .core.self_prompts import SELF_WRITTEN
     from .core.target import pick_device, resolve_target
 
     model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
@@ -261,27 +274,48 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
         planner = Planner(build_definitions(settings), instance, settings, force=False)
         pending = lambda asset, shard=None: planner.reason(Unit(asset, shard))  # noqa: E731
     keep_table = paths.prompts.is_file() and (pending is None or pending("prompts") is None)
+    quick_table = quick and not keep_table  # --quick changes only a table still to build
     if keep_table:
         built, note = None, f"the table on disk ({paths.prompts})"
         length = None
     else:
         why = "none on disk" if not paths.prompts.is_file() else pending("prompts")
-        table, length = build_table(settings)
+        table, length = build_table(settings, quick=quick)  # generator:self's rows: placeholders
         built = table.rows
-        note = f"the table these settings build ({len(built):,} prompts; the run rebuilds it: {why})"
+        note = (f"the table these settings build ({len(built):,} prompts{', not tokenized (--quick)' if quick else ''}; "
+                f"the run rebuilds it: {why})")
     tokenizer = []  # loaded once, when a shard needs it
 
-    def prompt_lengths(rows) -> list[int]:
+    def templated(system, prompt) -> int:
         if length is not None:
-            return [length(system, prompt) for system, prompt in rows.select("system", "prompt").iter_rows()]
+            return length(system, prompt)
         from .core.generate import template_ids
         from .core.target import load_tokenizer
 
         tokenizer[:] = tokenizer or [load_tokenizer(model_dir)]
-        return [len(template_ids(tokenizer[0], system, prompt)) for system, prompt in rows.select("system", "prompt").iter_rows()]
+        return len(template_ids(tokenizer[0], system, prompt))
 
-    shards = plan.shard_tokens(paths, settings.shard_size, settings.generation.max_new_tokens, prompt_lengths,
-                               built, pending)
+    gen = settings.generation
+
+    def prompt_lengths(rows) -> list[int]:
+        """Each row's prompt tokens, an upper bound: with every turn answered, each turn templated
+        on its own (the system turn counted each time) and a full answer per earlier turn."""
+        if quick_table:
+            return [settings.max_prompt_tokens] * len(rows)
+        out = []
+        all_turns = gen.turns == "all" and "later_turns" in rows.columns
+        for row in rows.iter_rows(named=True):
+            if row.get("source") == SELF_WRITTEN and not row["prompt"]:  # not written yet: its longest
+                n = templated(None, "") + settings.self_prompts.max_tokens
+            else:
+                n = templated(row["system"], row["prompt"])
+            for turn in (row["later_turns"] or []) if all_turns else []:
+                n += gen.max_new_tokens + templated(row["system"], turn)
+            out.append(min(n, settings.max_prompt_tokens))
+        return out
+
+    shards = plan.shard_tokens(paths, settings.shard_size, gen.max_new_tokens, prompt_lengths, built, pending,
+                               gen.samples_per_prompt, "prompt_count" if quick_table else "prompt_lengths")
     kinds = {asset: pick_device(section.device).type for asset, section in (
         ("generations", settings.generation), ("hidden_states", settings.extraction),
         ("drafter", settings.training), ("drafter_eval", settings.eval))}
@@ -297,7 +331,7 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     total_tokens = sum(s.tokens for s in shards)
     work = plan.StageWork(
         kinds=kinds,
-        generate_samples=sum(s.samples for s in generate) * (1 + settings.generation.samples_per_prompt),
+        generate_samples=sum(s.samples for s in generate),  # 1 + samples_per_prompt per prompt, counted per shard
         generate_shards=len(generate),
         max_new_tokens=settings.generation.max_new_tokens,
         train_tokens=(int(settings.training.max_steps * settings.training.batch_tokens) if settings.training.max_steps
@@ -329,7 +363,7 @@ def cmd_plan(args) -> int:
 
     settings = load_settings(settings_path_from_env())
     instance = _instance()
-    result = plan_from_settings(settings, history(instance), args.tokens_per_s, instance)
+    result = plan_from_settings(settings, history(instance), args.tokens_per_s, instance, args.quick)
     if getattr(args, "gpus", None):
         try:
             result["gpu_plan"] = gpu_plan_from_settings(settings, result, args.gpus, args.gpu_memory_gb * 1e9)
@@ -394,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     pl_.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
     pl_.add_argument("--json", action="store_true")
     pl_.add_argument("--tokens-per-s", type=float, help="extraction rate to plan with (default: the last measured one)")
+    pl_.add_argument("--quick", action="store_true",
+                     help="a prompts table to build is not tokenized: each prompt counted at max_prompt_tokens (looser)")
     pl_.add_argument("--gpus", type=int, help="an MoE target over this many GPUs: memory per GPU, the pack that fits, a rate")
     pl_.add_argument("--gpu-memory-gb", type=float, default=141.0, help="memory of one GPU (default: an H200's 141 GB)")
     pl_.set_defaults(func=cmd_plan)
@@ -401,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--json", action="store_true")
     h.add_argument("--plot", metavar="PATH", help="write a PNG chart of tokens/s and bytes per shard")
     h.set_defaults(func=cmd_history)
-    rp = sub.add_parser("report", help="throughput_report: per shard runs, tokens/s (latest, best), bytes")
+    rp = sub.add_parser("report", help="every drafter compared (tau per set and category, data, training, settings "
+                                       "changed); throughput per shard: runs, tokens/s (latest, best), bytes")
     rp.set_defaults(func=cmd_report)
     u = sub.add_parser("ui", help="the Dagster UI (webserver + daemon) on the same instance")
     u.add_argument("--settings")

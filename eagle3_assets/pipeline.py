@@ -28,6 +28,8 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunSta
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from .assets import prompts as prompts_asset
+from .core.layout import Layout
+from .core.sample_files import MANIFEST
 from .definitions import JOBS
 from .partitions import shards
 from .policies import FORCE_TAG
@@ -94,6 +96,9 @@ class Planner:
             return "never materialized"
         if self._failed_since(key, unit.partition, latest.storage_id):
             return "its last run failed or was killed"
+        missing = self._missing(unit)
+        if missing is not None:  # e.g. another storage_root: the instance's record is of files elsewhere
+            return f"materialized, but {missing} is not there (storage_root changed or files deleted)"
         if unit.asset == "prompts":
             current = prompts_asset.data_version(self.settings)
             if latest.asset_materialization.tags.get("dagster/data_version") != current:
@@ -111,6 +116,20 @@ class Planner:
             causes = resolver.get_stale_root_causes(key, unit.partition)
             return "stale: " + "; ".join(sorted({_describe(c) for c in causes})) if causes else "stale"
         return None
+
+    def _missing(self, unit: Unit):
+        """The file that says the unit is on disk under this storage root, if it is absent."""
+        paths = Layout(self.settings.root)
+        where = {
+            "prompts": lambda: paths.prompts,
+            "generations": lambda: paths.generations(unit.partition),
+            "hidden_states": lambda: paths.hidden_states(unit.partition) / MANIFEST,
+            "vocab_map": lambda: paths.vocab_map,
+            "drafter": lambda: paths.drafter / "config.json",
+            "drafter_eval": lambda: paths.drafter_eval,
+        }.get(unit.asset)
+        path = where() if where else None
+        return path if path is not None and not path.exists() else None
 
     def materialized_by(self, unit: Unit, run_id: str) -> bool:
         """The unit's latest materialization is from that run (a run over several shards may fail

@@ -25,6 +25,7 @@ from .core.evaluate import EvalConfig
 from .core.extract_job import ExtractConfig
 from .core.generate import GenerationConfig
 from .core.prompts import EMBEDDED_PROMPTS, PromptSource
+from .core.self_prompts import SelfPromptsConfig
 from .core.target import EMBEDDED_MODEL, EMBEDDED_MODELS, EMBEDDED_PREFIX
 from .core.train import TrainConfig
 from .core.vocab import VocabConfig
@@ -41,7 +42,7 @@ class Settings(BaseModel):
 
     target_model: str = EMBEDDED_MODEL  # a Hugging Face folder, a .gguf file, or the embedded model
     # JSONL / JSON / Parquet, an embedded set (embedded:sharegpt, embedded:chitchat), a generator
-    # (generator:reasoning-gym/<name>), or a list of them, each a string or a PromptSource
+    # (generator:reasoning-gym/<name>; generator:self, requests the target writes), or a list of them, each a string or a PromptSource
     # ({source, max_prompts | weight, licence, seed}), read in order (README, "Prompt sources").
     prompts_source: str | list[str | PromptSource] = EMBEDDED_PROMPTS
     max_prompts: int | None = Field(None, ge=1)  # keep the first N usable prompts (of all sources)
@@ -53,6 +54,8 @@ class Settings(BaseModel):
     storage_root: str = ".eagle3/data"
     model_cache_dir: str | None = None  # where a GGUF target is converted once; default ~/.cache
     generation: GenerationConfig = GenerationConfig()
+    # how the target writes the generator:self source's requests (core/self_prompts.py)
+    self_prompts: SelfPromptsConfig = SelfPromptsConfig()
     extraction: ExtractConfig = ExtractConfig()
     vocab: VocabConfig = VocabConfig()
     training: TrainConfig = TrainConfig()

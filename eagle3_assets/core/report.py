@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import polars as pl
@@ -91,3 +93,165 @@ def manifests_summary(hidden_states_root: Path) -> list[tuple]:
         GROUP BY shard ORDER BY shard
         """
     ).fetchall()
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters compared: one row per `drafter_eval` materialization (`eagle3 report`, and the
+# `comparison` metadata of drafter_eval that the UI shows). Input: the instance's materialization
+# records as plain dicts ({asset, timestamp, run_id, metadata}), as `eagle3 history --json` prints.
+
+# The settings that shape a drafter and its measurement (launcher and cache paths do not).
+SNAPSHOT_KEYS = ("target_model", "prompts_source", "max_prompts", "max_prompt_tokens", "decontaminate", "shard_size",
+                 "storage_root", "generation", "self_prompts", "extraction", "vocab", "training", "eval")
+
+
+def _source_label(entry) -> str:
+    """A prompts_source entry as one short string: the source and what it sets."""
+    if isinstance(entry, str):
+        return entry
+    extra = [f"{k} {v}" for k, v in entry.items() if k != "source" and v not in (None, 0)]
+    return entry["source"] + (f" ({', '.join(extra)})" if extra else "")
+
+
+def settings_snapshot(dump: dict) -> dict:
+    """The settings (`Settings.model_dump(mode="json")`) that shape a drafter, flattened to dotted
+    keys, with the prompt sources as short strings: what `settings_changes` compares."""
+    out: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
+    for key in SNAPSHOT_KEYS:
+        if key not in dump:
+            continue
+        value = dump[key]
+        if key == "prompts_source":
+            value = [_source_label(e) for e in (value if isinstance(value, list) else [value])]
+        walk(key, value)
+    return out
+
+
+def snapshot_sha256(snapshot: dict) -> str:
+    return hashlib.sha256(json.dumps(snapshot, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def settings_changes(before: dict | None, after: dict | None) -> list[str]:
+    """What changed between two snapshots, one "key: old -> new" line per changed key."""
+    if not after:
+        return ["(no settings recorded)"]
+    if before is None:
+        return []
+    out = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "(unset)"), after.get(key, "(unset)")
+        if old != new:
+            out.append(f"{key}: {_short(old)} -> {_short(new)}")
+    return out
+
+
+def _short(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def drafter_rows(records: list[dict]) -> list[dict]:
+    """One row per drafter_eval materialization, in time order: tau per set and category, the data
+    behind the drafter, its training, and what changed in the settings since the row before."""
+    evals = sorted((r for r in records if r["asset"] == "drafter_eval"), key=lambda r: r["timestamp"])
+    rows, previous = [], None
+    for n, r in enumerate(evals, 1):
+        m = r["metadata"]
+        snap = m.get("settings") if isinstance(m.get("settings"), dict) else None
+        sets = {k.removeprefix("tau_"): v for k, v in m.items()
+                if k.startswith("tau_") and k != "tau_by_category" and isinstance(v, (int, float))}
+        storage = "/".join(str(x) for x in (m.get("storage"), m.get("teacher")) if x)
+        rows.append({
+            "n": n,
+            "timestamp": r["timestamp"],
+            "run_id": r.get("run_id") or "",
+            "tau": m.get("tau"),
+            "tau_sets": sets,
+            "tau_by_category": m.get("tau_by_category") or {},
+            "samples": m.get("samples"),
+            "tokens": m.get("tokens"),
+            "bytes_on_disk": m.get("bytes_on_disk"),
+            "sources": m.get("sources") or [],
+            "turns": m.get("turns") or (snap or {}).get("generation.turns"),
+            "samples_per_prompt": m.get("samples_per_prompt", (snap or {}).get("generation.samples_per_prompt")),
+            "storage": storage or None,
+            "data_s": m.get("data_s"),
+            "train_s": m.get("train_s"),
+            "train_steps": m.get("train_steps"),
+            "epochs": m.get("epochs"),
+            "changes": ["(first)"] if n == 1 and snap else settings_changes(previous, snap),
+        })
+        previous = snap if snap is not None else previous
+    return rows
+
+
+def _fmt(value, digits: int = 0) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and digits:
+        return f"{value:.{digits}f}"
+    if isinstance(value, (int, float)):
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def _gb(value) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The comparison as (title, header, rows) tables: the drafters, tau per category, the changes."""
+    set_names = sorted({s for r in rows for s in r["tau_sets"]})
+    main_header = ["#", "when (UTC)", "run", "tau", *[f"tau {s}" for s in set_names], "samples", "tokens", "GB",
+                   "data s", "train s", "steps", "epochs", "turns", "samples/prompt", "storage", "sources"]
+    main = [[str(r["n"]), r["timestamp"][:16].replace("T", " "), r["run_id"][:8], _fmt(r["tau"], 3),
+             *[_fmt(r["tau_sets"].get(s), 3) for s in set_names], _fmt(r["samples"]), _fmt(r["tokens"]),
+             _gb(r["bytes_on_disk"]), _fmt(r["data_s"]), _fmt(r["train_s"]), _fmt(r["train_steps"]),
+             _fmt(r["epochs"], 2), _fmt(r["turns"]), _fmt(r["samples_per_prompt"]), _fmt(r["storage"]),
+             "; ".join(f"{s['source']} {s['rows']:,}" for s in r["sources"]) or "-"]
+            for r in rows]
+    out = [("Drafters (one row per drafter_eval materialization)", main_header, main)]
+    for s in sorted({s for r in rows for s in r["tau_by_category"]}):
+        cats = sorted({c for r in rows for c in (r["tau_by_category"].get(s) or {})})
+        out.append((f"tau per category, {s}", ["#", *cats],
+                    [[str(r["n"]), *[_fmt((r["tau_by_category"].get(s) or {}).get(c), 3) for c in cats]] for r in rows]))
+    out.append(("Settings changed since the row before", ["#", "changes"],
+                [[str(r["n"]), "; ".join(r["changes"]) or "(none)"] for r in rows]))
+    return out
+
+
+def format_comparison(rows: list[dict]) -> str:
+    """The comparison as plain text tables (columns padded with spaces; no dataframe repr)."""
+    if not rows:
+        return "no drafter_eval materialization in this instance yet"
+    blocks = []
+    for title, header, body in _tables(rows):
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+        lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def comparison_markdown(rows: list[dict]) -> str:
+    """The comparison as markdown tables, for drafter_eval's metadata (the UI renders it)."""
+    if not rows:
+        return "no drafter_eval materialization yet"
+    blocks = []
+    for title, header, body in _tables(rows):
+        def cells(c):
+            return "| " + " | ".join(x.replace("|", "\\|") for x in c) + " |"
+        blocks.append("\n".join([f"**{title}**", "", cells(header), "| " + " | ".join("---" for _ in header) + " |",
+                                 *map(cells, body)]))
+    return "\n\n".join(blocks)
