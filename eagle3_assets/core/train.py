@@ -371,11 +371,13 @@ class StopClock:
         return None
 
 
-def _stop_on_sigterm(clock: StopClock):
-    """SIGTERM (a preempted or time-limited job) stops at the next step with the state saved."""
+def _stop_on_sigterm(clock: StopClock) -> dict:
+    """SIGTERM (a preempted or time-limited job, `eagle3 run` stopped) or SIGINT (Ctrl-C) stops
+    at the next step with the state saved; returns the previous handlers, to restore."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: clock.stop_requested.set())
+        return {}
+    return {sig: signal.signal(sig, lambda signum, frame: clock.stop_requested.set())
+            for sig in (signal.SIGTERM, signal.SIGINT)}
 # ---------------------------------------------------------------------------------------------
 # The run, one named step at a time
 # ---------------------------------------------------------------------------------------------
@@ -533,8 +535,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             if job.state_path and dist.main and progress.step % cfg.save_every == 0 and progress.step < max_steps:
                 save_state()
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handler.items():
+            signal.signal(sig, handler)
 
     # -- the checkpoint, and the state kept or cleared -------------------------------------------
     flush_losses()
