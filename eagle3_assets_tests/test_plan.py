@@ -132,7 +132,7 @@ def test_the_disk_preflight_checks_the_plans_bytes(tiny_target, tmp_path, monkey
                      paths.root / "hidden_states", ceiling_rate(SampleLayout(64)))
     asked = []
 
-    def refuse(shard_dir, needed):
+    def refuse(shard_dir, needed, shards=None):
         asked.append(needed)
         raise DiskSpaceError("refused")
 

@@ -586,7 +586,7 @@ def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
     with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
-        files = [sorted(f.keys()), f.metadata() or {}]
+        files = [sorted(f.keys()), {k: v for k, v in (f.metadata() or {}).items() if k != "checksum"}]  # layout
     blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world,
                                                                   files], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

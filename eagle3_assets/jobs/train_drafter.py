@@ -7,6 +7,7 @@ continues the same run.
 
 from __future__ import annotations
 
+from ..core.sample_files import DamagedSampleError
 from ..core.train import TrainJob, train_drafter
 from . import json_value, path, run_job
 
@@ -44,5 +45,18 @@ def report(pipes, job: TrainJob, m: dict) -> None:
     )
 
 
+def train_naming_damage(job: TrainJob, log) -> dict:
+    """`train_drafter`; a sample file it cannot read is named and removed, so its shard is missing a
+    file: the next `eagle3 run` notices it (sizes against the manifest), re-extracts that file,
+    and trains. Without that, every rerun would fail on the same file."""
+    try:
+        return train_drafter(job, log)
+    except DamagedSampleError as e:
+        e.path.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"{e}; removed it: its shard {e.path.parent.name} is stale, and `eagle3 run` re-extracts the file "
+            "before training again") from e
+
+
 if __name__ == "__main__":
-    run_job(TrainJob, train_drafter, report)
+    run_job(TrainJob, train_naming_damage, report)
