@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -175,3 +176,62 @@ def test_eagle3_ui_started_in_the_background_stops_with_its_children_within_10_s
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
             stop(ui)
+
+
+# Fast unit tests of the plumbing (`core/stopping.py`).
+
+
+def test_a_signal_is_forwarded_to_the_jobs_once_as_sigterm_then_as_sigkill():
+    from eagle3_assets.core import stopping
+
+    trap = "trap 'echo TERM; exit 7' TERM; while true; do sleep 0.05; done"
+    job = subprocess.Popen(["bash", "-c", trap], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    stubborn = None
+    try:
+        time.sleep(0.3)
+        with stopping.forwarding(job.pid):
+            stopping.request(signal.SIGINT)  # what the handler does on Ctrl-C
+            assert stopping.requested() == "SIGINT"
+            assert job.wait(timeout=10) == 7 and job.stdout.read() == "TERM\n"  # asked, not killed
+        stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; while true; do sleep 0.05; done"],
+                                    start_new_session=True)
+        time.sleep(0.3)
+        with stopping.forwarding(stubborn.pid):  # asked before it started: asked at once
+            assert stubborn.poll() is None
+            stopping.request(signal.SIGTERM)  # the second signal kills
+            assert stubborn.wait(timeout=10) == -signal.SIGKILL
+        assert stopping.requested() == "SIGINT"  # the first one is what stopped the run
+    finally:
+        stopping.reset()
+        for p in (job, stubborn):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_a_job_dies_with_its_parent_and_a_stop_asked_during_set_up_pauses_training():
+    code = ("import subprocess, sys, os; from eagle3_assets.core import stopping; "
+            "p = subprocess.Popen(['sleep', '60'], start_new_session=True, "
+            "preexec_fn=stopping.parent_death_signal(parent=os.getpid())); print(p.pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    orphan = int(out.stdout.split()[0])
+    wait_for(lambda: not alive(orphan), timeout=5, what="the orphan to get SIGTERM")
+
+    from eagle3_assets.core import stopping
+    from eagle3_assets.core.train import StopClock, TrainConfig, _stop_on_sigterm
+
+    class OneRank:
+        world = 1
+
+        def from_rank0(self, values):
+            return values
+
+    clock = StopClock(TrainConfig(), OneRank(), 0.0, None)
+    stopping.STOP.set()
+    try:
+        previous = _stop_on_sigterm(clock)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        assert clock.check(1, 0) == "paused"
+    finally:
+        stopping.reset()

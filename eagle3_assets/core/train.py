@@ -44,6 +44,7 @@ from .distributed import Dist, setup
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
 from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
+from .stopping import STOP
 from .vocab import load_vocab_map
 
 
@@ -374,6 +375,8 @@ class StopClock:
 def _stop_on_sigterm(clock: StopClock) -> dict:
     """SIGTERM (a preempted or time-limited job, `eagle3 run` stopped) or SIGINT (Ctrl-C) stops
     at the next step with the state saved; returns the previous handlers, to restore."""
+    if STOP.is_set():  # asked while the job was setting up (the job's handler, `stopping.stop_on_signals`)
+        clock.stop_requested.set()
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, lambda signum, frame: clock.stop_requested.set())
