@@ -83,6 +83,12 @@ def test_training_names_the_file_it_cannot_read_and_the_job_removes_it(tiny_targ
     cfg = TrainConfig(max_steps=5, batch_tokens=128, warmup_steps=1, ttt_steps=2, preload=True)
     with pytest.raises(DamagedSampleError, match=str(victim)):
         train_drafter(TrainJob(**params_, config=cfg), log=lambda m: None)
+    first = sorted(shard.glob("*.safetensors"))[0]  # the one whose header the resumable state's fingerprint reads
+    saved = first.read_bytes()
+    first.write_bytes(b"\0" * len(saved))
+    with pytest.raises(DamagedSampleError, match=str(first)):
+        train_drafter(TrainJob(**params_, config=cfg, state_path=str(tmp_path / "state.pt")), log=lambda m: None)
+    first.write_bytes(saved)
 
     # Through the job: it names the file and removes it, so `eagle3 run` sees the shard damaged.
     p = job(params_, cfg)

@@ -43,7 +43,7 @@ from .config import STRICT, Fraction, NonNegativeFloat, NonNegativeInt, Positive
 from .distributed import Dist, setup
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
-from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
+from .sample_files import DamagedSampleError, SampleRef, dequantize_features, list_samples, read_sample_slices
 from .stopping import STOP
 from .vocab import load_vocab_map
 
@@ -588,8 +588,11 @@ def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     Knobs that do not change the trajectory (logging, saving, the time limits) are left out."""
     ignored = {"log_every", "save_every", "time_budget_s", "preload", "device"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
-    with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
-        files = [sorted(f.keys()), {k: v for k, v in (f.metadata() or {}).items() if k != "checksum"}]  # layout
+    try:
+        with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
+            files = [sorted(f.keys()), {k: v for k, v in (f.metadata() or {}).items() if k != "checksum"}]  # layout
+    except Exception as e:
+        raise DamagedSampleError(refs[0].path, e) from e
     blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world,
                                                                   files], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
