@@ -66,14 +66,28 @@ def _instance():
 
 
 def cmd_run(args) -> int:
+    from .core import stopping
+
+    # SIGTERM or one Ctrl-C from here on: the jobs save their state, no further step starts.
+    stopping.install()
     _enter(args)
     from .definitions import SETTINGS, defs
-    from .pipeline import run_pipeline
+    from .pipeline import AnotherRun, RunStopped, exclusive_run, run_pipeline
 
     instance = _instance()
     try:
-        ok = run_pipeline(defs, instance, SETTINGS, force=args.force, select=args.select,
-                          log=lambda m: print(m, flush=True))
+        with exclusive_run(SETTINGS.root):
+            ok = run_pipeline(defs, instance, SETTINGS, force=args.force, select=args.select,
+                              log=lambda m: print(m, flush=True))
+    except AnotherRun as e:
+        print(f"eagle3 run: {e}", file=sys.stderr)
+        return 3
+    except RunStopped as e:
+        print(f"eagle3 run: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Everything is recorded (the instance commits each event); the interpreter's teardown of
+        # torch and Dagster would only add seconds to a stop that should take few.
+        os._exit(e.exit_code)
     except ValueError as e:  # a bad --select
         print(f"eagle3 run: {e}", file=sys.stderr)
         return 2
@@ -400,18 +414,86 @@ def gpu_plan_from_settings(settings, plan_result: dict, gpus: int, gpu_bytes: fl
 
 
 # ---------------------------------------------------------------------------------------------
+# eagle3 verify
+
+
+def cmd_verify(args) -> int:
+    """Every sample file of every shard read whole against the size and checksums recorded when it
+    was written; exit 1 if any is damaged."""
+    _enter(args)
+    from .core.verify import verify_all
+    from .settings import load_settings, settings_path_from_env
+
+    settings = load_settings(settings_path_from_env())
+    results = verify_all(settings.root / "hidden_states", delete=args.delete)
+    for shard, bad in results.items():
+        print(f"{shard}: " + ("ok" if not bad else f"{len(bad)} damaged"), flush=True)
+        for name, what in bad:
+            print(f"  {name}: {what}" + (" (deleted)" if args.delete and name.endswith(".safetensors") else ""))
+    damaged = sum(map(len, results.values()))
+    if not results:
+        print(f"no shards under {settings.root / 'hidden_states'}")
+    elif damaged:
+        print(f"{damaged} damaged file(s); " + ("`eagle3 run` re-extracts them" if args.delete else
+              "`eagle3 verify --delete` removes them, then `eagle3 run` re-extracts them"))
+    return 1 if damaged else 0
+
+
+# ---------------------------------------------------------------------------------------------
 # eagle3 ui
 
 
+UI_GRACE_S = 6.0  # after SIGTERM/SIGINT, for `dagster dev` to stop its services before they are killed
+
+
 def cmd_ui(args) -> int:
+    """`dagster dev` as a child that stops within UI_GRACE_S (plus a little) of SIGTERM or SIGINT.
+
+    Run from a script in the background, a process starts with SIGINT ignored, and `dagster dev`
+    maps SIGTERM to its SIGINT handler: it then ignored both, and waits up to 60 s for each service
+    when it does stop. Here the handlers below are installed before the child starts (so it starts
+    with the default ones), the child gets SIGTERM, and whatever is left of its process group after
+    the grace period is killed. The kernel sends it SIGTERM if this process dies."""
+    import signal
+    import subprocess
+    import time
+
+    from .core import stopping
+
     root = _enter(args)
     from .settings import load_settings, settings_path_from_env
 
     load_settings(settings_path_from_env())  # a bad file fails here, in one line, not in the UI's code location
+
+    received: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     # This interpreter's own Dagster: `.venv/bin/eagle3 ui` works without activating the venv.
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
-    os.execv(cmd[0], cmd)
-    return 0
+    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=stopping.parent_death_signal(parent=os.getpid()))
+    deadline = None
+    while child.poll() is None:
+        if received and deadline is None:
+            deadline = time.monotonic() + UI_GRACE_S
+            print(f"eagle3 ui: {signal.Signals(received[0]).name}: stopping dagster dev", file=sys.stderr, flush=True)
+            _signal_group(child.pid, signal.SIGTERM)
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    _signal_group(child.pid, signal.SIGKILL)  # its webserver, daemon and code servers, whatever is left
+    child.wait()
+    return 128 + received[0] if received else child.returncode
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("report", help="every drafter compared (tau per set and category, data, training, settings "
                                        "changed); throughput per shard: runs, tokens/s (latest, best), bytes")
     rp.set_defaults(func=cmd_report)
+    v = sub.add_parser("verify", help="read every sample file whole against the checksums written with it")
+    v.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
+    v.add_argument("--delete", action="store_true", help="remove damaged files: the next `eagle3 run` re-extracts them")
+    v.set_defaults(func=cmd_verify)
     u = sub.add_parser("ui", help="the Dagster UI (webserver + daemon) on the same instance")
     u.add_argument("--settings")
     u.add_argument("--port", type=int, default=3000)

@@ -6,7 +6,8 @@ process count. A `Launcher` runs it through a Dagster Pipes client and returns t
 invocation, whose materialization the asset returns:
 
 - `LocalLauncher` (`launcher.kind: local`, the default): a subprocess on this machine
-  (`PipesSubprocessClient`), under `torchrun` with one process per GPU when `nproc` > 1;
+  (`PipesSubprocessClient`), under `torchrun` with one process per GPU when `nproc` > 1, in a
+  session of its own: it stops (state saved) when this process is told to, and dies with it;
 - `KubernetesLauncher` (`launcher.kind: kubernetes`): one pod per job (`dagster_k8s.PipesK8sClient`)
   that runs `torchrun` over its GPUs; rank 0 talks Pipes over the pod's logs.
 
@@ -65,11 +66,42 @@ class LocalLauncher(Launcher):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}", *entry]
 
     def run(self, context, job: GpuJob):
-        from dagster import PipesSubprocessClient
+        return _job_client().run(context=context, command=self.command(job), env={**self.env, PARAMS_ENV: job.params_json})
 
-        return PipesSubprocessClient().run(
-            context=context, command=self.command(job), env={**self.env, PARAMS_ENV: job.params_json}
-        )
+
+def _job_client():
+    """`PipesSubprocessClient` whose job process lives in its own session, gets SIGTERM from the
+    kernel if this process dies (`stopping.parent_death_signal`), and is asked to stop (SIGTERM:
+    save and exit) when this process is (`stopping.forwarding`). A job that ends after such a
+    request fails its step with `Failure(allow_retries=False)`: a stop on purpose is not retried."""
+    import os
+    import subprocess
+
+    from dagster import Failure, PipesSubprocessClient
+    from dagster._core.errors import DagsterPipesExecutionError
+    from dagster._core.pipes.client import PipesClientCompletedInvocation
+    from dagster._core.pipes.utils import open_pipes_session
+
+    from .core import stopping
+
+    class JobClient(PipesSubprocessClient):
+        def run(self, *, context, command, env=None, extras=None, cwd=None):
+            with open_pipes_session(context=context, context_injector=self.context_injector,
+                                    message_reader=self.message_reader, extras=extras) as session:
+                process = subprocess.Popen(
+                    command, cwd=cwd, env={**os.environ, **(env or {}), **session.get_bootstrap_env_vars()},
+                    start_new_session=True, preexec_fn=stopping.parent_death_signal(parent=os.getpid()))
+                with stopping.forwarding(process.pid):
+                    process.wait()
+                signal_name = stopping.requested()
+                if signal_name and process.returncode != 0:
+                    raise Failure(f"stopped by {signal_name}: the job saved what it had done and exited "
+                                  f"(code {process.returncode}); `eagle3 run` continues from there", allow_retries=False)
+                if process.returncode != 0:
+                    raise DagsterPipesExecutionError(f"External execution process failed with code {process.returncode}")
+            return PipesClientCompletedInvocation(session)
+
+    return JobClient()
 
 
 class KubernetesLauncher(Launcher):

@@ -15,21 +15,31 @@ contiguous range of such shards, so the target model loads once per range, not o
 (each shard still gets its own materialization, metadata, check and failure) — then the
 drafter chain. After a step, what follows is judged again: a rerun whose output did not change
 (same code, same inputs) leaves its downstream fresh.
+
+A shard whose files are missing or resized since its manifest runs again (`shard_damage`). SIGTERM
+or SIGINT stops the run after the job in flight has saved its work (`core/stopping.py`): no
+further step starts and `RunStopped` says which signal. One `eagle3 run` per storage root holds
+`exclusive_run`'s lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from .assets import prompts as prompts_asset
+from .core import stopping
 from .core.layout import Layout
-from .core.sample_files import MANIFEST
+from .core.sample_files import MANIFEST, shard_damage
 from .definitions import JOBS
 from .partitions import shards
 from .policies import FORCE_TAG
@@ -99,6 +109,10 @@ class Planner:
         missing = self._missing(unit)
         if missing is not None:  # e.g. another storage_root: the instance's record is of files elsewhere
             return f"materialized, but {missing} is not there (storage_root changed or files deleted)"
+        if unit.asset == "hidden_states":  # cheap: one stat per file against the manifest's sizes
+            damage = shard_damage(Layout(self.settings.root).hidden_states(unit.partition))
+            if damage:
+                return f"damaged: {damage}"
         if unit.asset == "prompts":
             current = prompts_asset.data_version(self.settings)
             if latest.asset_materialization.tags.get("dagster/data_version") != current:
@@ -171,6 +185,58 @@ def _describe(cause) -> str:
     return f"{where} {cause.reason}"
 
 
+class RunStopped(RuntimeError):
+    """`eagle3 run` was asked to stop (SIGTERM, SIGINT): its jobs saved their state, nothing more runs."""
+
+    def __init__(self, signal_name: str):
+        self.signal_name = signal_name
+        super().__init__(f"stopped by {signal_name}: finished work is kept (training saved its state, extraction "
+                         "its written files); the next `eagle3 run` continues from there")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + getattr(signal, self.signal_name, signal.SIGINT)
+
+
+class AnotherRun(RuntimeError):
+    pass
+
+
+@contextmanager
+def exclusive_run(storage_root: Path) -> Iterator[None]:
+    """One `eagle3 run` per storage root at a time: an flock on `<storage_root>/.eagle3-run.lock`,
+    released by the kernel when the holder exits (or is killed). Two runs would both generate
+    and extract every shard (the `gpu` pool is not enforced across processes)."""
+    storage_root.mkdir(parents=True, exist_ok=True)
+    with open(storage_root / ".eagle3-run.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise AnotherRun(f"another eagle3 run, pid {holder}, is active on {storage_root}; wait for it to end "
+                             "or stop it (SIGTERM or Ctrl-C: it saves its state), then run again") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+
+
+def _stop_signal(result) -> str | None:
+    """The signal that stopped this process during `result`'s run: ours (`stopping.request`, while
+    a job ran) or Dagster's interrupt raised inside a step's own code."""
+    if stopping.requested():
+        return stopping.requested()
+    for event in result.all_events:
+        error = event.step_failure_data.error if event.is_step_failure else None
+        while error is not None:
+            if error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
+                return "SIGINT or SIGTERM"
+            error = error.cause
+    return None
+
+
 def mark_killed_runs(instance: DagsterInstance, log: Callable[[str], None]) -> None:
     """Runs of an `eagle3 run` process that died (killed, machine lost) stay "started" forever in
     the instance; report them failed, so the UI and the planner see them as they are."""
@@ -213,10 +279,16 @@ def run_pipeline(
     tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), **({FORCE_TAG: "1"} if force else {})}
     ran, skipped = [], []
 
+    def check_stopped(result=None) -> None:
+        name = _stop_signal(result) if result is not None else stopping.requested()
+        if name:
+            raise RunStopped(name)
+
     def step(job: str, units: list[Unit]) -> bool:
         """Run the units of one job that need it, until none does (or a run fails)."""
         units = [u for u in units if selection.wants(u)]
         for _ in range(len(units)):
+            check_stopped()
             todo = [(u, r) for u in units if (r := planner.reason(u))]
             if not todo:
                 break
@@ -235,6 +307,7 @@ def run_pipeline(
                 run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
             )
             ran.extend(str(u) for u, _ in todo)
+            check_stopped(result)
             if not result.success:
                 log(f"!! {label} failed (run {result.run_id}); its log is in the UI (`eagle3 ui`)")
                 return False
@@ -249,6 +322,7 @@ def run_pipeline(
         skipped.extend(str(u) for u in units if u.partition not in todo)
         failed = []
         for group in _ranges(keys, todo):
+            check_stopped()
             for k in group:
                 log(f"-> hidden_states[{k}]: {todo[k]}")
             planner.forced.update(Unit("hidden_states", k) for k in group)
@@ -262,6 +336,7 @@ def run_pipeline(
                 run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
             )
             ran.extend(f"hidden_states[{k}]" for k in group)
+            check_stopped(result)
             if not result.success:
                 bad = {e.partition for e in result.get_asset_check_evaluations() if not e.passed}
                 lost = [k for k in group if k in bad or not planner.materialized_by(Unit("hidden_states", k), result.run_id)]

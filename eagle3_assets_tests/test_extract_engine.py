@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.core.sample_files import SampleLayout, sample_file, validate_sample, write_sample
+from eagle3_assets.core.sample_files import (
+    SampleLayout, checksum_problem, sample_file, stored_checksum, validate_sample, write_sample,
+)
 from eagle3_assets.core.extract_engine import extract_samples, plan_packs
 from eagle3_assets.core.lean_forward import lean_supported
 
@@ -70,7 +73,9 @@ def test_files_equal_unbatched_hf(base_model, tmp_path, lean, layer_ids):
         torch.testing.assert_close(got["aux_hidden_states"], aux, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got["last_hidden_state"], last, rtol=1e-4, atol=1e-4)
         with safe_open(str(path), framework="pt") as f:
-            assert f.metadata() == META
+            meta = f.metadata()
+        assert meta.pop("checksum").startswith("crc32:") and meta == META
+        assert checksum_problem(path) is None  # the checksum written with the file matches its data
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(sample_file(tmp_path, s[0]).name for s in samples)  # no temporaries left
 
@@ -101,14 +106,16 @@ def test_writer_matches_safetensors_bytes(tmp_path):
     ids, mask = list(range(t)), [0, 1] * 3 + [1]
     aux, last = torch.randn(t, 12).to(torch.bfloat16), torch.randn(t, 4).to(torch.bfloat16)
     size = write_sample(tmp_path / "ours.safetensors", ids, mask, {"aux_hidden_states": aux, "last_hidden_state": last}, META)
+    checksum = stored_checksum(tmp_path / "ours.safetensors")  # ours carries the crc32 of its data section
     save_file(
         {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8),
          "aux_hidden_states": aux, "last_hidden_state": last},
-        str(tmp_path / "theirs.safetensors"), metadata=META,
+        str(tmp_path / "theirs.safetensors"), metadata={**META, "checksum": checksum},
     )
     ours, theirs = (tmp_path / "ours.safetensors").read_bytes(), (tmp_path / "theirs.safetensors").read_bytes()
     assert size == len(ours) == len(theirs)
     n = struct.unpack("<Q", ours[:8])[0]
+    assert checksum == f"crc32:{zlib.crc32(theirs[8 + n:]):08x}"
     assert n == struct.unpack("<Q", theirs[:8])[0]
     assert json.loads(ours[8 : 8 + n]) == json.loads(theirs[8 : 8 + n])
     assert ours[8 + n :] == theirs[8 + n :]

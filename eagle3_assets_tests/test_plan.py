@@ -145,7 +145,7 @@ def test_the_disk_preflight_checks_the_plans_bytes(tiny_target, tmp_path, monkey
     plan = make_plan(shard_tokens(paths, 5, 8, None), extract_layout(job.config, 64), paths.root / "hidden_states", None)
     asked = []
 
-    def refuse(shard_dir, needed):
+    def refuse(shard_dir, needed, shards=None):
         asked.append(needed)
         raise DiskSpaceError("refused")
 

@@ -9,13 +9,13 @@ import contextlib
 import json
 import logging
 
-from dagster import AssetExecutionContext, AssetObservation, MaterializeResult, MetadataValue, ResourceParam, asset
+from dagster import AssetExecutionContext, AssetObservation, Failure, MaterializeResult, MetadataValue, ResourceParam, asset
 from safetensors import safe_open
 
 from ..core.export import export_speculators, validate_for_engine, verifier_name, write_engine_checkpoint
 from ..core.model_card import CARD_NAME
 from ..core.report import settings_snapshot, snapshot_sha256
-from ..core.sample_files import MANIFEST
+from ..core.sample_files import MANIFEST, shard_damage
 from ..core.target import resolve_target
 from ..core.train import TrainJob, load_target_head
 from ..core.vocab import load_vocab_map
@@ -48,6 +48,11 @@ def build(settings: Settings):
         incomplete = [k for k in keys if not (paths.hidden_states(k) / MANIFEST).is_file()]
         if not keys or incomplete:
             raise FileNotFoundError(f"drafter needs every shard's hidden states; incomplete: {incomplete or 'all (no shards)'}")
+        damaged = {k: d for k in keys if (d := shard_damage(paths.hidden_states(k)))}
+        if damaged:  # no retry helps: `eagle3 run` re-extracts the damaged files first
+            raise Failure("hidden states damaged since they were extracted (`eagle3 run` re-extracts what is "
+                          "missing or resized): " + " | ".join(f"{k}: {d}" for k, d in damaged.items()),
+                          allow_retries=False)
         shard_dirs = [paths.hidden_states(k) for k in keys]
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
         aux_ids = _aux_layer_ids(shard_dirs[0])

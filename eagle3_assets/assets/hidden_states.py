@@ -38,6 +38,7 @@ from dagster import (
 )
 
 from ..checks import SHARD_CHECK, shard_complete
+from ..core import stopping
 from ..core.extract_job import ExtractJob, ExtractShards
 from ..core.target import resolve_target
 from ..launchers import GpuJob, Launcher
@@ -95,7 +96,7 @@ def build(settings: Settings):
         results: dict[str, dict] = {}
         for attempt in range(1 + RETRY.max_retries):
             pending = [s for s in keys if "metadata" not in results.get(s, {}) and not results.get(s, {}).get("final")]
-            if not pending:
+            if not pending or (attempt and stopping.requested()):  # a stop on purpose is not retried
                 break
             if attempt:
                 context.log.warning(f"retrying {len(pending)} failed shard(s) in {RETRY.delay} s: {pending}")

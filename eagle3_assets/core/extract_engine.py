@@ -28,6 +28,7 @@ import torch
 
 from .lean_forward import lean_forward, lean_supported
 from .sample_files import TOPK_ID_DTYPE, TOPK_VALUE_DTYPE, SampleLayout, encode_features, sample_file, write_sample
+from .stopping import STOP, Stopped
 
 # ---------------------------------------------------------------------------------------------
 # Capturing the layers
@@ -176,7 +177,10 @@ def extract_samples(
 
     try:
         with ThreadPoolExecutor(max(1, writer_threads), thread_name_prefix="writer") as pool:
-            for pack in packs:
+            for done, pack in enumerate(packs):
+                if STOP.is_set():  # asked to stop: the packs written so far are kept (the pool finishes them)
+                    raise Stopped(f"stopped after {done} of {len(packs)} packs; {sum(map(len, packs[:done]))} samples "
+                                  f"written to {shard_dir.name} are kept")
                 items = [samples[i] for i in pack]
                 slot = staging.acquire(reap)
                 if use_lean:

@@ -38,6 +38,7 @@ from transformers import AutoConfig
 
 from .config import STRICT, PositiveFloat, PositiveInt, from_dict, require
 from .distributed import setup
+from .stopping import STOP, Stopped
 from .extract_engine import TopkTeacher, extract_samples, warm_up
 from .lean_forward import attention_path, lean_supported
 from .files import bytes_on_disk
@@ -47,6 +48,7 @@ from .sample_files import (
     MAX_DRAFT_VOCAB,
     SampleLayout,
     check_free_space,
+    damaged_files,
     plan_shard,
     sample_file,
     write_manifest,
@@ -244,9 +246,18 @@ def extract_shards(group: ExtractShards, log: Callable[[str], None], report: Cal
             shared = dist.broadcast(dataclasses.replace(plan, gens=None) if isinstance(plan, _Plan) and dist.world > 1 else plan)
             plans.append(plan if dist.main else shared)
         working = [p for p in plans if isinstance(p, _Plan) and p.todo]
+        # The free space for every shard of the run at once: each alone may fit where all do not.
+        full = _attempt(check_free_space, Path(group.jobs[0].shard_dir), sum(p.needed_bytes for p in working),
+                        [Path(j.shard_dir).name for j, p in zip(group.jobs, plans) if isinstance(p, _Plan) and p.todo]) \
+            if dist.main and working else None
+        full = dist.broadcast(full) if dist.world > 1 else full
+        if full is not None:
+            plans, working = [full if isinstance(p, _Plan) and p.todo else p for p in plans], []
         if working:
             target.load(shards=len(working))
         for job, plan in zip(group.jobs, plans):
+            if STOP.is_set() and isinstance(plan, _Plan):
+                plan = Stopped(f"stopped before shard {Path(job.shard_dir).name} began")
             result = plan if isinstance(plan, BaseException) else _attempt(_extract, job, plan, target, log)
             if dist.main:
                 report(job, result)
@@ -322,6 +333,7 @@ class _Plan:
     todo: list
     resumed: int
     planned_s: float
+    needed_bytes: int = 0  # of the files to write
 
 
 def _plan(job: ExtractJob, target: _Target, locks: ExitStack, log) -> _Plan:
@@ -330,12 +342,17 @@ def _plan(job: ExtractJob, target: _Target, locks: ExitStack, log) -> _Plan:
     shard_dir, layout = Path(job.shard_dir), target.layout
     locks.enter_context(shard_lock(shard_dir))
     gens = pl.read_parquet(job.generations_path).select("row_id", "input_ids", "loss_mask")
+    damaged = damaged_files(shard_dir)
+    for name, _ in damaged:  # resized since the manifest was written: redone (a missing one is anyway)
+        (shard_dir / name).unlink(missing_ok=True)
     (shard_dir / MANIFEST).unlink(missing_ok=True)  # the shard is incomplete until we rewrite it last
     todo, resumed = plan_shard(gens, shard_dir, layout, redo=job.redo)
-    check_free_space(shard_dir, layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
     log(f"shard {shard_dir.name}: {len(gens)} samples, {len(todo)} to extract, {resumed} resumed from valid files "
-        f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)")
-    return _Plan(gens, todo, resumed, time.perf_counter() - t0)
+        f"of layout {layout.name} ({layout.bytes_per_token():,} bytes per token)"
+        + (f"; {len(damaged)} missing or resized since its manifest: {', '.join(n for n, _ in damaged[:5])}"
+           if damaged else ""))
+    return _Plan(gens, todo, resumed, time.perf_counter() - t0,
+                 layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
 
 
 def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str], None]) -> dict | None:

@@ -5,7 +5,10 @@ uint8 [T], `aux_hidden_states` [T, 3H] (the three aux layers, concatenated) and 
 `last_hidden_state` [T, H] (after the final norm, so target logits = lm_head(last_hidden_state)).
 The safetensors metadata names the target, the layer ids, the dtype and the format version.
 Files are written under a temporary name and renamed: a file that exists is complete.
-`manifest.parquet` (row_id, file, tokens, bytes) is written last and marks the shard complete.
+The metadata also carries `checksum`, the crc32 of the file's data section, written with it.
+`manifest.parquet` (row_id, file, tokens, bytes, checksum) is written last and marks the shard
+complete: `damaged_files` compares sizes with it (one stat per file), `verify_checksums` reads
+every file against its checksums.
 
 Layouts (`SampleLayout`; `extraction.storage` x `extraction.teacher`):
 
@@ -34,6 +37,7 @@ import math
 import os
 import shutil
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +51,7 @@ if TYPE_CHECKING:  # polars is imported where it is used: the engine's writers d
     import polars as pl
 
 MANIFEST = "manifest.parquet"
+CHECKSUM_KEY = "checksum"  # in a file's safetensors metadata: crc32 of its data section
 STORAGES = ("bf16", "fp8")
 TEACHERS = ("last_hidden", "topk")
 FP8 = torch.float8_e4m3fn
@@ -242,7 +247,13 @@ def write_safetensors(
             t = t.cpu()
         items.append((name, t.contiguous()))
     items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    # The checksum of the data section (every tensor's bytes, in file order) goes in the header
+    # written before it: the file carries it, and the manifest copies it.
+    crc = 0
+    for _, t in items:
+        if t.numel():
+            crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    header: dict = {"__metadata__": {**(metadata or {}), CHECKSUM_KEY: _checksum_text(crc)}}
     offset = 0
     for name, t in items:
         n = t.numel() * t.element_size()
@@ -262,6 +273,45 @@ def write_safetensors(
         finally:
             os.close(fd)
     return 8 + len(raw) + offset
+
+
+def _checksum_text(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+def stored_checksum(path: Path) -> str | None:
+    """The checksum a sample file carries in its header (None: written before checksums existed)."""
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get(CHECKSUM_KEY)
+
+
+def checksum_problem(path: Path, size: int | None = None, checksum: str | None = None) -> str | None:
+    """What is wrong with one sample file, reading all of it, or None: missing, not the size or the
+    checksum the manifest recorded (`size`, `checksum`), a header that does not parse, or data that
+    does not match the checksum written with it."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size is not None and actual != size:
+        return f"{actual:,} bytes, the manifest recorded {size:,}"
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            crc = 0
+            while chunk := f.read(1 << 22):
+                crc = zlib.crc32(chunk, crc)
+    except (OSError, ValueError, struct.error) as e:
+        return f"unreadable header ({type(e).__name__}: {e})"
+    written = (header.get("__metadata__") or {}).get(CHECKSUM_KEY)
+    if checksum and written != checksum:
+        return f"its header's checksum {written} is not the manifest's {checksum}"
+    if written is None:
+        return None if checksum is None else "no checksum in its header"
+    if _checksum_text(crc) != written:
+        return f"data checksum {_checksum_text(crc)} does not match the {written} written with it"
+    return None
 
 
 def _write_all(fd: int, data) -> None:
@@ -316,17 +366,78 @@ def write_manifest(shard_dir: Path, row_ids: list[int]) -> pl.DataFrame:
         p = sample_file(shard_dir, r)
         with safe_open(str(p), framework="pt") as f:
             tokens = f.get_slice("input_ids").get_shape()[0]
-        rows.append({"row_id": r, "file": p.name, "tokens": tokens, "bytes": p.stat().st_size})
-    df = pl.DataFrame(rows, schema={"row_id": pl.Int64, "file": pl.Utf8, "tokens": pl.Int64, "bytes": pl.Int64})
+            checksum = (f.metadata() or {}).get(CHECKSUM_KEY)
+        rows.append({"row_id": r, "file": p.name, "tokens": tokens, "bytes": p.stat().st_size, "checksum": checksum})
+    df = pl.DataFrame(rows, schema={"row_id": pl.Int64, "file": pl.Utf8, "tokens": pl.Int64, "bytes": pl.Int64,
+                                    "checksum": pl.Utf8})
     atomic_write_parquet(df, shard_dir / MANIFEST)
     return df
 
 
-def check_free_space(shard_dir: Path, needed: int) -> None:
+def read_manifest(shard_dir: Path) -> pl.DataFrame | None:
+    import polars as pl
+
+    path = shard_dir / MANIFEST
+    if not path.is_file():
+        return None
+    df = pl.read_parquet(path)
+    return df if "checksum" in df.columns else df.with_columns(checksum=pl.lit(None, pl.Utf8))
+
+
+def damaged_files(shard_dir: Path) -> list[tuple[str, str]]:
+    """Cheap, from the manifest and one stat per file: the sample files of a complete shard that
+    are missing or not the size the manifest recorded, as (name, what). [] without a manifest."""
+    df = read_manifest(shard_dir)
+    out = []
+    for file, size in ([] if df is None else df.select("file", "bytes").iter_rows()):
+        try:
+            actual = (shard_dir / file).stat().st_size
+        except FileNotFoundError:
+            out.append((file, "missing"))
+            continue
+        if actual != size:
+            out.append((file, f"{actual:,} bytes, the manifest recorded {size:,}"))
+    return out
+
+
+def shard_damage(shard_dir: Path) -> str | None:
+    """Why a shard that was complete is not any more (its manifest or files gone or resized), or None."""
+    if not (shard_dir / MANIFEST).is_file():
+        return f"its manifest {shard_dir / MANIFEST} is missing"
+    damaged = damaged_files(shard_dir)
+    if not damaged:
+        return None
+    return (f"{len(damaged)} sample file(s) missing or resized since its manifest: "
+            + "; ".join(f"{name} {what}" for name, what in damaged[:3]) + ("; ..." if len(damaged) > 3 else ""))
+
+
+def verify_checksums(shard_dir: Path) -> list[tuple[str, str]]:
+    """Full strength: every sample file of the manifest read whole and checked against the size and
+    checksum recorded there and the checksum written in it, as (name, what) for each bad one."""
+    df = read_manifest(shard_dir)
+    if df is None:
+        return [(MANIFEST, "missing (the shard never finished)")]
+    return [(file, problem) for file, size, checksum in df.select("file", "bytes", "checksum").iter_rows()
+            if (problem := checksum_problem(shard_dir / file, size, checksum))]
+
+
+class DamagedSampleError(OSError):
+    """A sample file that cannot be read; `path` names it."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        self.path = Path(path)
+        super().__init__(f"sample file {path} cannot be read ({type(cause).__name__}: {cause}); it is damaged or "
+                         "was changed after extraction")
+
+
+def check_free_space(shard_dir: Path, needed: int, shards: list[str] | None = None) -> None:
+    """`needed` bytes (of every shard of the run: `shards`) fit on `shard_dir`'s filesystem."""
     free = shutil.disk_usage(shard_dir).free
     if needed > free:
+        what = f"shard {shard_dir.name} needs" if not shards or len(shards) == 1 else \
+            f"the {len(shards)} shards of this run ({', '.join(shards)}) need"
         raise DiskSpaceError(
-            f"shard {shard_dir.name} needs about {needed:,} bytes ({needed / 1e9:.2f} GB) but the filesystem "
+            f"{what} about {needed:,} bytes ({needed / 1e9:.2f} GB) but the filesystem "
             f"of {shard_dir} has {free:,} bytes ({free / 1e9:.2f} GB) free; free space or set storage_root elsewhere"
         )
 
@@ -387,6 +498,9 @@ def read_sample_slices(path: Path, max_length: int | None = None, dequantize: bo
     """The tensors of one sample file, truncated to `max_length` tokens. With `dequantize` (the
     default) fp8 hidden states come back as float32 under the same keys as bf16 files; without,
     as stored with their scales (training moves them so and decodes on its device)."""
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {key: f.get_slice(key)[:max_length] for key in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {key: f.get_slice(key)[:max_length] for key in f.keys()}
+    except Exception as e:  # SafetensorError says "incomplete metadata", not which file
+        raise DamagedSampleError(path, e) from e
     return dequantize_features(tensors) if dequantize else tensors

@@ -51,7 +51,8 @@ from .distributed import Dist, setup
 from . import drafter as drafter_module
 from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
-from .sample_files import SampleRef, dequantize_features, list_samples, read_sample_slices
+from .sample_files import DamagedSampleError, SampleRef, dequantize_features, list_samples, read_sample_slices
+from .stopping import STOP
 from .vocab import load_vocab_map
 
 
@@ -617,11 +618,15 @@ class StopClock:
         return None
 
 
-def _stop_on_sigterm(clock: StopClock):
-    """SIGTERM (a preempted or time-limited job) stops at the next step with the state saved."""
+def _stop_on_sigterm(clock: StopClock) -> dict:
+    """SIGTERM (a preempted or time-limited job, `eagle3 run` stopped) or SIGINT (Ctrl-C) stops
+    at the next step with the state saved; returns the previous handlers, to restore."""
+    if STOP.is_set():  # asked while the job was setting up (the job's handler, `stopping.stop_on_signals`)
+        clock.stop_requested.set()
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: clock.stop_requested.set())
+        return {}
+    return {sig: signal.signal(sig, lambda signum, frame: clock.stop_requested.set())
+            for sig in (signal.SIGTERM, signal.SIGINT)}
 # ---------------------------------------------------------------------------------------------
 # The run, one named step at a time
 # ---------------------------------------------------------------------------------------------
@@ -1022,8 +1027,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
             if dist.main:
                 write_due_snapshots(model, job, progress, clock.trained_s, log)
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handler.items():
+            signal.signal(sig, handler)
 
     # -- the checkpoint, and the state kept or cleared -------------------------------------------
     flush_losses()
@@ -1092,8 +1097,11 @@ def state_fingerprint(refs: list[SampleRef], job: TrainJob, world: int) -> str:
     ignored = {"log_every", "save_every", "time_budget_s", "preload", "device", "snapshot_at_s", "loss_chunk_tokens",
                "cuda_graph"}
     cfg = {k: v for k, v in asdict(job.config).items() if k not in ignored}
-    with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
-        files = [sorted(f.keys()), f.metadata() or {}]
+    try:
+        with safe_open(str(refs[0].path), framework="pt") as f:  # the same paths in another layout are other data
+            files = [sorted(f.keys()), {k: v for k, v in (f.metadata() or {}).items() if k != "checksum"}]  # layout
+    except Exception as e:
+        raise DamagedSampleError(refs[0].path, e) from e
     blob = json.dumps([[str(r.path), r.tokens] for r in refs] + [cfg, job.draft_vocab_size, list(job.aux_layer_ids), world,
                                                                   files], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

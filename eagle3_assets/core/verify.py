@@ -9,7 +9,15 @@ import polars as pl
 import torch
 
 from .files import TMP_SUFFIX, bytes_on_disk
-from .sample_files import MANIFEST, SampleLayout, read_sample_slices, sample_file, validate_sample
+from .sample_files import (
+    MANIFEST,
+    SampleLayout,
+    checksum_problem,
+    read_sample_slices,
+    sample_file,
+    validate_sample,
+    verify_checksums,
+)
 
 
 def verify_shard(shard_dir: Path, generations_path: Path, layout: SampleLayout, spot_checks: int = 4):
@@ -45,8 +53,10 @@ def verify_shard(shard_dir: Path, generations_path: Path, layout: SampleLayout, 
         path = sample_file(shard_dir, r)
         # A rerun keeps files whose header, shapes and scales are sound without reading every
         # value, so a file damaged inside its data must be deleted to be redone.
+        found = _sample_problems(path, ids_by_row[r], layout)
+        checksum = checksum_problem(path)
         problems.extend(f"row {r}: {p} ({path.name}: delete it and rerun the partition)"
-                        for p in _sample_problems(path, ids_by_row[r], layout))
+                        for p in found + ([f"checksum: {checksum}"] if checksum else []))
         checked.append(r)
     details = {
         "problems": problems,
@@ -81,3 +91,18 @@ def _sample_problems(path: Path, input_ids: list[int], layout: SampleLayout) -> 
         if t["target_in_draft"].numel() and int(t["target_in_draft"].max()) > 1:
             problems.append("target_in_draft holds values other than 0 and 1")
     return problems
+
+
+def verify_all(hidden_states_root: Path, delete: bool = False) -> dict[str, list[tuple[str, str]]]:
+    """Every shard folder under `hidden_states_root` at full strength (`verify_checksums`: each
+    sample file read whole against its size and checksums): shard -> [(file, problem)]. With
+    `delete`, the damaged sample files are removed, so the next `eagle3 run` re-extracts them."""
+    out = {}
+    shard_dirs = sorted(d for d in hidden_states_root.iterdir() if d.is_dir()) if hidden_states_root.is_dir() else []
+    for shard_dir in shard_dirs:
+        out[shard_dir.name] = bad = verify_checksums(shard_dir)
+        if delete:
+            for name, _ in bad:
+                if name != MANIFEST:
+                    (shard_dir / name).unlink(missing_ok=True)
+    return out

@@ -26,8 +26,12 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
     reports as it goes. A params class with a `from_json` classmethod parses its own JSON."""
     from dagster_pipes import open_dagster_pipes
 
+    from ..core import stopping
     from ..core.config import from_json
 
+    # SIGTERM/SIGINT: stop at the next safe point with the work saved; the parent's death sends SIGTERM.
+    stopping.stop_on_signals()
+    stopping.die_with_parent(parent=os.getppid())
     text = os.environ[PARAMS_ENV]
     params = params_cls.from_json(text) if hasattr(params_cls, "from_json") else from_json(params_cls, text)
     if int(os.environ.get("RANK", 0)) != 0:

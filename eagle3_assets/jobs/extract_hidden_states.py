@@ -16,8 +16,10 @@ from ..core import extract_job
 from ..core.extract_job import ExtractJob, ExtractShards, extract_shards
 from . import run_job
 
-# Tests only: seconds of sleep added to each model load, to stand in for a big target's load.
+# Tests only: seconds of sleep added to each model load, to stand in for a big target's load,
+# and to each packed forward, for a big target's pack.
 LOAD_DELAY_ENV = "EAGLE3_TEST_MODEL_LOAD_DELAY_S"
+PACK_DELAY_ENV = "EAGLE3_TEST_PACK_DELAY_S"
 
 
 def shard_result(job: ExtractJob, result) -> dict:
@@ -62,7 +64,21 @@ def _slow_loads(delay_s: float) -> None:
     extract_job.load_model = slow
 
 
+def _slow_packs(delay_s: float) -> None:
+    from ..core import extract_engine
+
+    forward = extract_engine.lean_forward
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return forward(*args, **kwargs)
+
+    extract_engine.lean_forward = slow
+
+
 if __name__ == "__main__":
     if os.environ.get(LOAD_DELAY_ENV):
         _slow_loads(float(os.environ[LOAD_DELAY_ENV]))
+    if os.environ.get(PACK_DELAY_ENV):
+        _slow_packs(float(os.environ[PACK_DELAY_ENV]))
     run_job(ExtractShards, work, report, stream=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from ..core.sample_files import DamagedSampleError
 from ..core.train import TrainJob, train_drafter
 from . import json_value, path, run_job
 
@@ -54,10 +55,20 @@ def report(pipes, job: TrainJob, m: dict) -> None:
 
 
 def work(job: TrainJob, log, pipes) -> dict:
+    """`train_drafter`, its learning-curve points sent live through Pipes. A sample file it cannot
+    read is named and removed, so its shard is missing a file: the next `eagle3 run` notices it
+    (sizes against the manifest), re-extracts that file, and trains. Without that, every rerun
+    would fail on the same file."""
     from dagster_pipes import PipesEnvVarParamsLoader
 
     live = pipes is not None and PipesEnvVarParamsLoader().is_dagster_pipes_process()
-    return train_drafter(job, log, on_point=(lambda p: pipes.log.info(CURVE_POINT + json.dumps(p))) if live else None)
+    try:
+        return train_drafter(job, log, on_point=(lambda p: pipes.log.info(CURVE_POINT + json.dumps(p))) if live else None)
+    except DamagedSampleError as e:
+        e.path.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"{e}; removed it: its shard {e.path.parent.name} is stale, and `eagle3 run` re-extracts the file "
+            "before training again") from e
 
 
 if __name__ == "__main__":
