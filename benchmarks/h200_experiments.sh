@@ -16,7 +16,7 @@
 # time limit continues on the next call with the same variant.
 # Writes to $OUT: plan_<v>.json, eagle3_run_<v>.log, du_<v>.txt, then report.txt (`eagle3 report`)
 # and history.json (`eagle3 history --json`). Limits (s): DATA_S (prompts + generations, 1800),
-# RUN_S (the rest, 1800), REPORT_S (120). On a lent machine with 10-minute calls, run one variant a
+# RUN_S (the rest, 1800), PLAN_S (600), REPORT_S (120). On a lent machine with 10-minute calls, run one variant a
 # call with e.g. DATA_S=180 RUN_S=360: what a limit stops continues on the next call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ for v in "$@"; do
     > "$OUT/eagle3_run_$v.log" 2>&1
   rc=$?; stamp "$v: data exit $rc"
   [ $rc -eq 0 ] || { grep -v " - DEBUG - " "$OUT/eagle3_run_$v.log" | tail -20; continue; }
-  timeout 600 python3 -m eagle3_assets.cli plan --settings "$settings" --json > "$OUT/plan_$v.json" 2> "$OUT/plan_$v.err"
+  timeout "${PLAN_S:-600}" python3 -m eagle3_assets.cli plan --settings "$settings" --json > "$OUT/plan_$v.json" 2> "$OUT/plan_$v.err"
   fits=$(python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(p['fits'], p['total']['bytes'])" "$OUT/plan_$v.json" 2>&1)
   stamp "$v: plan from the generations: fits, bytes = $fits"
   case "$fits" in True*) ;; *) stamp "$v: not run further (see plan_$v.json / plan_$v.err)"; continue ;; esac

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 19 on one H200 in one call: the CUDA-graph training step's GPU test (if it fails, the run
+# goes on without the graph and says so), then the GPU preset as a user runs it, from a fresh
+# storage root, then the tau of the training snapshots it left (tau per minute), then the batched
+# eval's CUDA tests with whatever time is left. Results in $OUT (7 files: the device returns 8 at most).
+#
+#   OUT=/some/dir SITE_PARTS="/tmp/dc/site.tar.xz.part*" bash benchmarks/h200_round.sh [SETTINGS]
+#
+# RG=dir: wheels of reasoning-gym and its pure-Python needs plus pycosat's source (built there), for
+# the experiments that use generator:reasoning-gym/*. Limits (s): RUN_S (eagle3 run, 420),
+# SNAP_S (snapshots, 75), TESTS_S (the graph test, 60).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+settings=${1:-eagle3_assets/defaults/gpu.yaml}
+SESSION_LOG=round_session.log
+source benchmarks/device_env.sh
+stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1); python $(python3 -c 'import sys, torch, transformers, dagster; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "dagster", dagster.__version__)' 2>&1 | tail -1)"
+if [ -n "${RG:-}" ]; then
+  (python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$RG"/*.whl \
+   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site "$RG"/pycosat-*.tar.gz \
+   && python3 -c "import reasoning_gym" && echo "reasoning-gym installed") > "$OUT/misc.log" 2>&1
+  stamp "$(tail -1 "$OUT/misc.log")"
+fi
+
+# 1. The graph step on this card: replays equal eager steps (else train without the graph).
+timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_fast.py \
+  -k "cuda_graph_replays" > "$OUT/pytest.log" 2>&1
+rc=$?
+stamp "graph test exit $rc: $(tail -1 "$OUT/pytest.log")"
+if [ $rc -ne 0 ]; then
+  sed 's/^  cuda_graph: true.*/  cuda_graph: false/' "$settings" > gpu_fallback.yaml
+  settings=gpu_fallback.yaml
+  stamp "training without the CUDA graph: $settings"
+fi
+
+# 2. The preset, as a user runs it, from a fresh storage root.
+rm -rf .eagle3
+start=$(date +%s)
+stamp "eagle3 run --settings $settings"
+timeout -s TERM "${RUN_S:-420}" python3 -m eagle3_assets.cli run --settings "$settings" > "$OUT/eagle3_run.log" 2>&1
+rc=$?
+stamp "eagle3 run exit $rc after $(($(date +%s) - start)) s"
+grep -v " - DEBUG - " "$OUT/eagle3_run.log" | tail -22
+python3 -m eagle3_assets.cli history --json > "$OUT/history.json" 2>> "$OUT/misc.log"
+
+# 3. Tau per minute: the snapshots the training left.
+timeout "${SNAP_S:-75}" python3 benchmarks/tau_snapshots.py --settings "$settings" --json "$OUT/tau_snapshots.json" \
+  > /tmp/tau_snapshots.log 2>&1
+stamp "snapshots exit $?: $(tr '\n' ' ' < /tmp/tau_snapshots.log | tail -c 300)"
+cat /tmp/tau_snapshots.log >> "$OUT/misc.log"
+
+# 4. The batched eval's CUDA tests, in what is left of the call.
+timeout "${EVAL_TESTS_S:-40}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_eval.py -k cuda \
+  >> "$OUT/pytest.log" 2>&1
+stamp "eval CUDA tests exit $?: $(tail -1 "$OUT/pytest.log")"
+tar -czf "$OUT/logs.tgz" .eagle3/data/drafter_eval .eagle3/data/drafter/README.md .eagle3/data/drafter/config.json 2> /dev/null
+stamp "done"
