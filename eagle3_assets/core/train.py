@@ -837,7 +837,7 @@ class GraphedStep:
         self.static = static_buffers(first_batch, cfg.batch_tokens, segments, device)
         fill_static(self.static, first_batch, self.max_len)
         self.lr = optimizer.param_groups[0]["lr"]
-        if not (torch.is_tensor(self.lr) and self.lr.device == device and optimizer.param_groups[0]["capturable"]):
+        if not (torch.is_tensor(self.lr) and self.lr.device.type == device.type and optimizer.param_groups[0]["capturable"]):
             raise ValueError("GraphedStep needs an AdamW with capturable=True and lr a device tensor (graph_optimizer)")
 
         draft_head = target_head[t2d]  # frozen: made once, outside the graph
