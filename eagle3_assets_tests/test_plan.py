@@ -269,6 +269,8 @@ def _report_extracted(instance, settings, shard: str) -> None:
             f"dagster/input_event_pointer/{up[asset]}": str(pointer)}))
     paths = Layout(settings.root)
     paths.hidden_states(shard).mkdir(parents=True)
+    for name in ("a", "b"):  # the files the manifest lists, of its sizes (a missing one is damage)
+        (paths.hidden_states(shard) / name).write_bytes(b"x")
     pl.DataFrame({"row_id": [0, 1], "file": ["a", "b"], "tokens": [10, 10], "bytes": [1, 1]}).write_parquet(
         paths.hidden_states(shard) / "manifest.parquet")
 
@@ -303,7 +305,7 @@ def test_plan_counts_a_stale_shard_whole_after_a_storage_change(tiny_target, tmp
         same = plan_from_settings(bf16, [], instance=instance)
         fp8 = bf16.model_copy(update={"extraction": dataclasses.replace(bf16.extraction, storage="fp8")})
         changed = plan_from_settings(fp8, [], instance=instance)
-    assert [s["complete"] for s in same["shards"]] == [True, False]
+    assert [s["complete"] for s in same["shards"]] == [True, False], [s.get("redo") for s in same["shards"]]
     first = changed["shards"][0]
     assert not first["complete"] and "new code version" in first["redo"]
     assert changed["total"]["bytes_to_write"] == changed["total"]["bytes"]  # every byte, the stale shard's too

@@ -177,10 +177,14 @@ def test_routed_experts_equal_transformers_moe_block(family):
         from eagle3_assets.core.lean_forward import _mlp, family_of
 
         ours = _mlp(mlp, family_of(model), x)
-        torch.testing.assert_close(ours, mlp(x[None])[0], rtol=1e-5, atol=1e-6)
+        # float32: equal up to the order of the sums (expert-sorted rows, then one matmul per token)
+        assert _rel(ours, mlp(x[None])[0]) < 1e-5
         # the routed part alone, against transformers' experts module
-        torch.testing.assert_close(routed_experts(mlp.experts, x, index, weights), mlp.experts(x, index, weights),
-                                   rtol=1e-5, atol=1e-6)
+        assert _rel(routed_experts(mlp.experts, x, index, weights), mlp.experts(x, index, weights)) < 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def test_predicted_checkpoint_bytes_are_the_written_ones_and_eagle3_plan_uses_them(checkpoints, tmp_path):

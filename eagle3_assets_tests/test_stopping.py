@@ -82,7 +82,7 @@ def test_sigterm_and_sigint_to_parent_or_group_stop_every_job_with_its_state_sav
                                       (signal.SIGINT, True)]):
         log = tmp_path / f"train-{i}.log"
         p = start(project, log)
-        wait_for(lambda: len(re.findall(r"^step +\d+ \|", log.read_text(), re.M)) >= 3 or p.poll() is not None,
+        wait_for(lambda: len(re.findall(r"(?:^| - )step +\d+ \|", log.read_text(), re.M)) >= 3 or p.poll() is not None,
                  what="training steps")
         if i == 0:  # meanwhile, a second eagle3 run on the same project refuses
             second = subprocess.run(cli("run"), cwd=project, env=env(), capture_output=True, text=True, timeout=300)
@@ -99,7 +99,7 @@ def test_sigterm_and_sigint_to_parent_or_group_stop_every_job_with_its_state_sav
         # (A signal to the group also ends the `tail` processes through which Dagster mirrors a
         # step's output to the console: then the job's last lines are in the run's log, in the UI.)
         assert group or "training paused after step" in out, out[-3000:]
-        assert len(re.findall(r"^train: \d+ samples", out, re.M)) == 1, "training was retried after a stop on purpose"
+        assert len(re.findall(r"(?:^| - )train: \d+ samples", out, re.M)) == 1, "training was retried after a stop on purpose"
         assert not alive(jobs[0]), "the training job outlived eagle3 run"
         if stopped_at is not None:
             assert f"resumed from {project / 'data' / 'drafter_state' / 'train_state.pt'} at step {stopped_at} " in out
