@@ -330,10 +330,10 @@ RESERVE_FRACTION = 0.10  # CUDA context, allocator fragmentation, kernels' works
 DISK_CEILING_BYTES_PER_S = 1.30e9
 
 MEASURED_MOE = {
-    "source": "issue 21 / REFERENCE.md 2026-12-04: benchmarks/extract_throughput.py --arch deepseek_v3 on one H200 "
-              "(bf16, random weights, 48 samples of 256-2,048 tokens)",
-    "forward_tokens_per_s": 45_880,
-    "files_tokens_per_s": 23_544,
+    "source": "issue 21 / BENCHMARKS.md 2026-12-04: benchmarks/h200_moe.sh (extract_throughput.py --arch deepseek_v3) "
+              "on one H200 (bf16, random weights, 96 samples of 256-2,048 tokens, grouped-GEMM experts)",
+    "forward_tokens_per_s": 62_136,
+    "files_tokens_per_s": 43_189,
     "arch": "deepseek_v3",  # the shape measured: benchmarks/extract_throughput.py moe_config("deepseek_v3")
 }
 
