@@ -51,13 +51,19 @@ def loss_and_grads(model, lm_head, samples, attention: str, **cfg):
     return loss.item(), torch.stack(losses), tallies, grads
 
 
-@pytest.mark.parametrize("teacher,fp8", [("last_hidden", False), ("topk", False), ("last_hidden", True)])
-def test_packed_loss_and_gradients_equal_the_padded_path_in_float32(teacher, fp8):
+def sharp_drafter():
+    """A tiny drafter whose attention is far from uniform (q/k weights scaled up), so the loss is
+    far from flat."""
     model = make_drafter().train()
-    # Scale the weights up so that attention is far from uniform and the loss far from flat.
     with torch.no_grad():
         model.midlayer.self_attn.q_proj.weight.mul_(8)
         model.midlayer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("teacher,fp8", [("last_hidden", False), ("topk", False), ("last_hidden", True)])
+def test_packed_loss_and_gradients_equal_the_padded_path_in_float32(teacher, fp8):
+    model = sharp_drafter()
     lm_head = torch.randn(TINY_VOCAB, 64)
     samples = make_samples(teacher, fp8)
     old = loss_and_grads(model, lm_head, samples, "padded")
@@ -245,10 +251,7 @@ def test_the_static_row_of_the_cuda_graph_step_gives_the_packed_loss_and_gradien
     """A row padded to batch_tokens (a padding segment, cut in pieces of max_len, and zero-length
     segments in cu_seqlens) trains exactly like the dynamic packed row; `cut` > 0: batch_tokens
     ends inside the last sample, which then counts as truncated there."""
-    model = make_drafter().train()
-    with torch.no_grad():
-        model.midlayer.self_attn.q_proj.weight.mul_(8)
-        model.midlayer.self_attn.k_proj.weight.mul_(8)
+    model = sharp_drafter()
     lm_head = torch.randn(TINY_VOCAB, 64)
     samples = make_samples(teacher, fp8)
     real = sum(LENGTHS)

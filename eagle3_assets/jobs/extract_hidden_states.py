@@ -54,31 +54,22 @@ def report(pipes, group: ExtractShards, _) -> None:
     pass  # every shard was reported as it finished
 
 
-def _slow_loads(delay_s: float) -> None:
-    load = extract_job.load_model
+def _slowed(module, name: str, delay_s: float) -> None:
+    """Test hook: `module.name` sleeps `delay_s` before each call."""
+    original = getattr(module, name)
 
     def slow(*args, **kwargs):
         time.sleep(delay_s)
-        return load(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    extract_job.load_model = slow
-
-
-def _slow_packs(delay_s: float) -> None:
-    from ..core import extract_engine
-
-    forward = extract_engine.lean_forward
-
-    def slow(*args, **kwargs):
-        time.sleep(delay_s)
-        return forward(*args, **kwargs)
-
-    extract_engine.lean_forward = slow
+    setattr(module, name, slow)
 
 
 if __name__ == "__main__":
     if os.environ.get(LOAD_DELAY_ENV):
-        _slow_loads(float(os.environ[LOAD_DELAY_ENV]))
+        _slowed(extract_job, "load_model", float(os.environ[LOAD_DELAY_ENV]))
     if os.environ.get(PACK_DELAY_ENV):
-        _slow_packs(float(os.environ[PACK_DELAY_ENV]))
+        from ..core import extract_engine
+
+        _slowed(extract_engine, "lean_forward", float(os.environ[PACK_DELAY_ENV]))
     run_job(ExtractShards, work, report, stream=True)
