@@ -101,7 +101,31 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int) -> dict:
+def profile_steps(name: str, step, batches: list, device: torch.device, out: Path) -> None:
+    """Where a step's time goes: the kernels' summed device time per step against the wall time
+    per step (a step whose kernels take far less than its wall time waits on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            step(batch)
+        sync(device)
+    wall = (time.perf_counter() - t0) / len(batches)
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) / len(batches)
+    ops = sum(e.count for e in events if e.key.startswith("aten::")) / len(batches)
+    table = events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                         row_limit=30)
+    with out.open("a") as f:
+        f.write(f"## {name}: wall {wall * 1e3:.1f} ms/step (under the profiler), kernels {kernel_us / 1e3:.1f} ms/step, "
+                f"{ops:.0f} aten ops/step\n{table}\n\n")
+    print(f"{name}: profiled wall {wall * 1e3:.1f} ms/step, kernels {kernel_us / 1e3:.1f} ms/step", flush=True)
+
+
+def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int,
+              profile: Path | None = None) -> dict:
     model = copy.deepcopy(model0)
     packed = cfg.attention != "padded"
     plan = plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), packed)
@@ -127,6 +151,8 @@ def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, devic
     for batch in batches[:warmup]:
         step(batch)
     sync(device)
+    if profile is not None:
+        profile_steps(name, step, batches[warmup:warmup + 5], device, profile)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -185,6 +211,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["graph"], default=None,
                     help="time only the CUDA-graph rows (packed + CUDA graph, and with compile unless --no-compile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also profile 5 steps of each timed path (torch.profiler): GPU kernel time per step "
+                         "against the wall time, and the top kernels, written to this file")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -229,7 +258,8 @@ def main() -> None:
         if args.skip_old and cfg is cfg_old:
             continue
         try:
-            results["paths"].append(time_path(name, cfg, model0, lm_head, refs, cache, shape, device, warmup, steps))
+            results["paths"].append(time_path(name, cfg, model0, lm_head, refs, cache, shape, device, warmup, steps,
+                                             args.profile))
         except Exception as e:  # noqa: BLE001 (a failed compile is reported, not the end of the table)
             if cfg is cfg_old or cfg is cfg_new:
                 raise

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 19 on one H200, before the preset's run (needs torch only, no site packages): the
+# CUDA-graph training step's GPU test, then the training micro-benchmark with a profile of each
+# path (kernel time per step against wall time: is the step waiting on the host?), then the
+# batched eval's CUDA tests. Results in $OUT.
+#
+#   OUT=/some/dir bash benchmarks/h200_train_probe.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+export PYTHONPATH=$PWD
+t0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$OUT/probe_session.log"; }
+stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1); $(python3 -c 'import torch; print("torch", torch.__version__)')"
+timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_fast.py -k cuda \
+  > "$OUT/pytest.log" 2>&1
+stamp "train CUDA tests exit $?: $(tail -1 "$OUT/pytest.log")"
+timeout "${BENCH_S:-300}" python3 benchmarks/train_throughput.py --skip-old --profile "$OUT/train_profile.txt" \
+  --json "$OUT/train_throughput.json" ${BENCH_ARGS:-} > "$OUT/train_throughput.log" 2>&1
+stamp "train_throughput exit $?"
+grep -v "USDT\|Warning\|warn" "$OUT/train_throughput.log" | tail -12
+timeout "${EVAL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_eval.py -k cuda \
+  >> "$OUT/pytest.log" 2>&1
+stamp "eval CUDA tests exit $?: $(tail -1 "$OUT/pytest.log")"
