@@ -19,6 +19,11 @@ timeout "${BENCH_S:-300}" python3 benchmarks/train_throughput.py --skip-old --pr
   --json "$OUT/train_throughput.json" ${BENCH_ARGS:-} > "$OUT/train_throughput.log" 2>&1
 stamp "train_throughput exit $?"
 grep -v "USDT\|Warning\|warn" "$OUT/train_throughput.log" | tail -12
+# The graph with the loss in one chunk per TTT step (fewer, larger kernels).
+timeout "${BENCH2_S:-150}" python3 benchmarks/train_throughput.py --only graph --loss-chunk-tokens 16384 \
+  --json "$OUT/train_throughput_chunk16k.json" > "$OUT/train_throughput_chunk16k.log" 2>&1
+stamp "train_throughput (graph, chunk 16384) exit $?"
+grep -v "USDT\|Warning\|warn" "$OUT/train_throughput_chunk16k.log" | tail -5
 timeout "${EVAL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_eval.py -k cuda \
   >> "$OUT/pytest.log" 2>&1
 stamp "eval CUDA tests exit $?: $(tail -1 "$OUT/pytest.log")"

@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["graph"], default=None,
                     help="time only the CUDA-graph rows (packed + CUDA graph, and with compile unless --no-compile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss-chunk-tokens", type=int, default=None, help="training.loss_chunk_tokens (default 4096)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="also profile 5 steps of each timed path (torch.profiler): GPU kernel time per step "
                          "against the wall time, and the top kernels, written to this file")
@@ -228,6 +229,8 @@ def main() -> None:
     refs, cache = make_data(shape, device, dtype, args.seed)
     model0, lm_head = make_model(shape, device, args.seed)
     common = dict(batch_tokens=shape["batch_tokens"], ttt_steps=shape["ttt_steps"], lr=1e-4, seed=args.seed)
+    if args.loss_chunk_tokens:
+        common["loss_chunk_tokens"] = args.loss_chunk_tokens
     cfg_old = TrainConfig(attention="padded", **common)
     cfg_new = TrainConfig(attention=args.attention, **common)
     mean_len = sum(r.tokens for r in refs) / len(refs)
