@@ -299,26 +299,27 @@ def test_cuda_graph_without_cuda_is_a_clear_error(tiny_target, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
-    """N replays of the captured step (AdamW capturable, lr a device tensor) against the same
-    static-row steps run eagerly: the same losses and weights, to bf16 rounding; the capture's
-    warm-up leaves the weights and optimizer state as they were."""
+    """Each replay of the captured step (forward, loss, backward, clip, capturable AdamW with the
+    lr a device tensor) against one eager step from the same weights and optimizer state, on rows
+    of different sample bounds: the same loss, gradient norm and update, to bf16 rounding. The
+    capture's warm-up leaves the weights and optimizer state as they were.
+
+    Each pair starts from one state (the eager one, copied in place into the graph's tensors):
+    run apart, the two would drift, as cuBLAS picks other kernels under capture (bf16 rounding
+    differs) and Adam's first steps move every weight by about lr whatever its gradient's size,
+    which turns that rounding into a different trajectory on a model this small."""
     from eagle3_assets.core.train import (GraphedStep, fill_static, graph_optimizer, packed_forward_on_device,
                                           run_backward_and_update, static_buffers, static_max_len)
 
     device = torch.device("cuda")
     cfg = TrainConfig(ttt_steps=3, batch_tokens=96, max_length=32, cuda_graph=True, loss_chunk_tokens=40)
     lm_head = torch.randn(TINY_VOCAB, 64, device=device)
-    batches = []
-    for seed in range(4):
-        samples = [{k: v[:32].cuda() for k, v in s.items()} for s in make_samples("last_hidden", False, seed)]
-        batches.append(pack_batch(samples[:4]))
-    lrs = [1e-3, 2e-3, 1.5e-3, 1e-3]
+    samples = [{k: v[:32].cuda() for k, v in s.items()} for s in make_samples("last_hidden", False)]
+    batches = [pack_batch(samples[i : i + 4]) for i in range(3)]  # other lengths, other bounds
     segments = 4 + 3 + 2
 
-    torch.manual_seed(0)
     eager = make_drafter().train().to(device)
     graphed_model = make_drafter().train().to(device)
-    graphed_model.load_state_dict(eager.state_dict())
     before = {k: v.clone() for k, v in graphed_model.state_dict().items()}
     optimizer = graph_optimizer(graphed_model, cfg, device)
     step = GraphedStep(graphed_model, lm_head, graphed_model.t2d, DRAFT_VOCAB, cfg, device, optimizer, batches[0],
@@ -327,60 +328,61 @@ def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
         assert torch.equal(v, before[k]), k  # the warm-up steps are undone
     assert all(float(s["step"]) == 0 for s in optimizer.state.values())
 
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    # A third copy trains eagerly with the graph's optimizer (capturable, lr a device tensor): if
-    # the graph differs from both, the capture is at fault; if from the plain AdamW only, the optimizer.
-    capturable = make_drafter().train().to(device)
-    capturable.load_state_dict(before)
-    cap_opt = graph_optimizer(capturable, cfg, device)
+    eager_opt = graph_optimizer(eager, cfg, device)
     static = static_buffers(batches[0], cfg.batch_tokens, segments, device)
-    rows = []
-    for i, (batch, lr) in enumerate(zip(batches, lrs)):
+
+    def eager_step(batch, lr):
         fill_static(static, batch, static_max_len(cfg))
         loss, _, tallies = packed_forward_on_device(eager, lm_head, eager.t2d, DRAFT_VOCAB, static, cfg, device,
                                                     "flash", static_max_len(cfg), static=True)
-        run_backward_and_update(loss, eager, eager_opt, lr, cfg)
-        c_loss, _, _ = packed_forward_on_device(capturable, lm_head, capturable.t2d, DRAFT_VOCAB, static, cfg, device,
-                                                "flash", static_max_len(cfg), static=True)
-        cap_opt.param_groups[0]["lr"].fill_(lr)
-        cap_opt.zero_grad(set_to_none=True)
-        c_loss.backward()
-        torch.nn.utils.clip_grad_norm_(capturable.parameters(), cfg.grad_clip)
-        cap_opt.step()
-        g_loss, g_losses, g_tallies, g_norm = step(batch, lr)
-        rows.append((i, loss.item(), c_loss.item(), float(g_loss), torch.equal(g_tallies[:, 1], tallies[:, 1])))
-    print("batch, eager loss, eager capturable-AdamW loss, graph loss, same tallies:", *rows, sep="\n")
-    for i, loss, c_loss, g_loss, same_tallies in rows:
-        assert g_loss == pytest.approx(loss, rel=2e-2), rows
-        assert same_tallies, rows
-    for (name, a), b in zip(eager.named_parameters(), graphed_model.parameters()):
-        assert (a - b).norm() <= 2e-2 * a.norm(), name
-        assert not torch.equal(a, before[name]), name  # trained
+        eager_opt.param_groups[0]["lr"].fill_(lr)
+        return loss.detach(), tallies, run_backward_and_update(loss, eager, eager_opt, eager_opt.param_groups[0]["lr"],
+                                                               cfg)
+
+    eager_step(batches[0], 1e-3)  # Adam's moments warm, so that an update follows its gradient
+    for batch, lr in zip(batches * 2, [1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4, 1e-3]):
+        with torch.no_grad():  # the graph's tensors take the eager state, in place
+            for a, b in zip(eager.parameters(), graphed_model.parameters()):
+                b.copy_(a)
+            for a, b in zip(eager.parameters(), graphed_model.parameters()):
+                for key, value in eager_opt.state[a].items():
+                    optimizer.state[b][key].copy_(value)
+        start = [p.detach().clone() for p in eager.parameters()]
+        loss, tallies, norm = eager_step(batch, lr)
+        g_loss, _, g_tallies, g_norm = step(batch, lr)
+        assert float(g_loss) == pytest.approx(loss.item(), rel=1e-2)
+        assert float(g_norm) == pytest.approx(float(norm), rel=3e-2)
+        assert torch.equal(g_tallies[:, 1], tallies[:, 1])
+        for (name, a), b, s0 in zip(eager.named_parameters(), graphed_model.parameters(), start):
+            moved = (a - s0).norm()
+            assert moved > 0, name  # trained
+            assert ((b - s0) - (a - s0)).norm() <= 0.1 * moved, name  # the same update
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("compile", [False, True])
 def test_train_drafter_with_the_cuda_graph_follows_the_eager_run_and_resumes_on_cuda(tiny_target, tmp_path, compile):
     """The whole trainer as `eagle3 run` drives it (training.cuda_graph, with and without
-    training.compile): a run paused after a few steps and resumed (a new capture over the loaded
-    capturable state) gives the eager run's losses to bf16 rounding, and a checkpoint."""
+    training.compile): a run paused after its first step and resumed (a new capture over the
+    loaded capturable state) trains on the eager run's batches in its order and saves a
+    checkpoint. The lr is small, so that the per-step losses show the batches and the schedule
+    rather than the bf16 drift between two runs (test above)."""
     from eagle3_assets.core.train import TrainJob, train_drafter
     from eagle3_assets_tests.test_train_job import setup
 
     params = setup(tiny_target, tmp_path)
-    base = dict(max_steps=12, batch_tokens=256, max_length=64, warmup_steps=2, ttt_steps=3, log_every=1,
+    base = dict(max_steps=12, batch_tokens=256, max_length=64, warmup_steps=2, ttt_steps=3, log_every=1, lr=1e-5,
                 compile=compile, device="cuda")
     eager = train_drafter(TrainJob(**{**params, "out_dir": str(tmp_path / "eager")}, config=TrainConfig(**base)),
                           log=print)
-    graph_cfg = TrainConfig(**base, cuda_graph=True)
-    graph_job = dict(**{**params, "out_dir": str(tmp_path / "graph")}, config=graph_cfg,
+    graph_job = dict(**{**params, "out_dir": str(tmp_path / "graph")}, config=TrainConfig(**base, cuda_graph=True),
                      state_path=str(tmp_path / "graph_state.pt"))
     first = train_drafter(TrainJob(**graph_job, stop_after_s=0.0), log=print)
     assert first["paused"] and 1 <= first["steps"] < 12
     graphed = train_drafter(TrainJob(**graph_job), log=print)
     assert graphed["steps"] == eager["steps"] == 12
     print("eager losses", eager["loss_history"], "graph losses", graphed["loss_history"], sep="\n")
-    assert graphed["loss_history"] == pytest.approx(eager["loss_history"], rel=3e-2)
+    assert graphed["loss_history"] == pytest.approx(eager["loss_history"], rel=2e-2)
     assert (tmp_path / "graph" / "model.safetensors").is_file()
 
 
