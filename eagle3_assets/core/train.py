@@ -840,12 +840,16 @@ class GraphedStep:
         if not (torch.is_tensor(self.lr) and self.lr.device.type == device.type and optimizer.param_groups[0]["capturable"]):
             raise ValueError("GraphedStep needs an AdamW with capturable=True and lr a device tensor (graph_optimizer)")
 
-        draft_head = target_head[t2d]  # frozen: made once, outside the graph
+        # Frozen, made once outside the graph. Every tensor the graph reads must outlive it: the
+        # graph keeps raw addresses, and a freed block is soon reused by the allocator (this head,
+        # once a local of __init__, became garbage after the first allocation: wrong teacher, tau 1.0).
+        self.target_head, self.t2d = target_head, t2d
+        self.draft_head = target_head[t2d]
 
         def step():
             loss, losses, tallies = packed_forward_on_device(
-                model, target_head, t2d, draft_vocab_size, self.static, cfg, device, "flash", self.max_len,
-                static=True, draft_head=draft_head)
+                model, self.target_head, self.t2d, draft_vocab_size, self.static, cfg, device, "flash", self.max_len,
+                static=True, draft_head=self.draft_head)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
