@@ -16,8 +16,8 @@ from ..core.export import export_speculators, validate_for_engine, verifier_name
 from ..core.model_card import CARD_NAME
 from ..core.report import settings_snapshot, snapshot_sha256
 from ..core.sample_files import MANIFEST, shard_damage
-from ..core.target import resolve_target
-from ..core.train import TrainJob, load_target_head
+from ..core.target import load_target_head, resolve_target
+from ..core.train import TrainJob
 from ..core.vocab import load_vocab_map
 from ..jobs.train_drafter import CURVE_POINT
 from ..launchers import GpuJob, Launcher

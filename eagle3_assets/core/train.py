@@ -53,6 +53,7 @@ from .drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from .files import atomic_path
 from .sample_files import DamagedSampleError, SampleRef, dequantize_features, list_samples, read_sample_slices
 from .stopping import STOP
+from .target import load_target_head
 from .vocab import load_vocab_map
 
 
@@ -233,41 +234,6 @@ def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     out = {key: pad(key, torch.int64 if key in as_index else samples[0][key].dtype) for key in samples[0]}
     out["lengths"] = torch.tensor([s["input_ids"].shape[0] for s in samples])
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The target's embeddings and lm_head, read straight from its safetensors
-# ---------------------------------------------------------------------------------------------
-
-
-def load_target_head(target_model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Return (embed_tokens.weight, lm_head.weight, config dict) of an HF target folder,
-    reading only those two tensors (sharded checkpoints are resolved through the index)."""
-    target_model_dir = Path(target_model_dir)
-    config = json.loads((target_model_dir / "config.json").read_text())
-    index = target_model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (target_model_dir / "model.safetensors").exists():
-        with safe_open(str(target_model_dir / "model.safetensors"), framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}
-    else:
-        raise FileNotFoundError(
-            f"{target_model_dir}: no model.safetensors or model.safetensors.index.json; "
-            "the target must be a Hugging Face folder with safetensors weights"
-        )
-
-    def read(key: str) -> torch.Tensor:
-        if key not in weight_map:
-            raise KeyError(f"{target_model_dir}: tensor {key!r} not found in the target's safetensors")
-        with safe_open(str(target_model_dir / weight_map[key]), framework="pt") as f:
-            return f.get_tensor(key)
-
-    embed = read("model.embed_tokens.weight")
-    # Tied targets (e.g. SmolLM2) store no lm_head: the embeddings are the head.
-    tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in weight_map
-    lm_head = embed if tied else read("lm_head.weight")
-    return embed, lm_head, config
 
 
 # ---------------------------------------------------------------------------------------------
