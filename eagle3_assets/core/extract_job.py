@@ -1,6 +1,6 @@
 """The extraction job of one or several shards, as run by each process (rank) of a launch.
 
-Plain Python: the Pipes entry point (`eagle3_assets.jobs.extract_hidden_states`) passes it
+Plain Python: the Pipes entry point (`eagle3_assets.entrypoints.extract_hidden_states`) passes it
 the shards and a logger, and reports what it returns for each. Under `torchrun` every rank
 loads the model and extracts its share of each shard's rows (data parallel), or all ranks
 run one model sharded over them (tensor parallel, rank 0 writes); rank 0 writes each
