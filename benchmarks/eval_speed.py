@@ -21,7 +21,7 @@ def random_drafter(model_dir: Path, out: Path, draft_vocab_size: int) -> Path:
     from transformers import AutoConfig
 
     from eagle3_assets.core.drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
-    from eagle3_assets.core.train import load_target_head
+    from eagle3_assets.core.target import load_target_head
 
     cfg = AutoConfig.from_pretrained(model_dir)
     n = cfg.num_hidden_layers

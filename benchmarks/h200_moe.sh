@@ -3,7 +3,7 @@
 # DeepSeek-V3's architecture) with the 4-layer float32/bf16 slices against transformers, the
 # Qwen3-MoE shape also with INT4 experts, then the grouped-GEMM GPU test. Results in $OUT:
 # moe_<arch>.json (rewritten after every row: a step cut by its limit keeps what it measured) and .log.
-# The peers' way is skipped (measured already: REFERENCE.md, 2026-12-04), to stay within 6 minutes.
+# The peers' way is skipped (measured already, 2026-12-04), to stay within 6 minutes.
 #
 #   OUT=/some/dir WHEELS=/tmp/dc bash benchmarks/h200_moe.sh
 set -uo pipefail

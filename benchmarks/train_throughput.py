@@ -4,7 +4,7 @@ On a GPU (the real measurement): random data of the GPU preset's shape (SmolLM2-
 hidden 576, 9 heads, 3 key-value heads, head size 64, MLP 1,536, vocabulary 49,152; draft
 vocabulary 17,920; samples of 64..1,024 tokens, mean about 290; 16,384 batch tokens; 7 TTT
 steps; bf16 autocast), preloaded on the card as `training.preload` does, and the training step
-of `core/train.py` itself (`run_forward` + `run_backward_and_update`, the model from
+of `core/train/` itself (`run_forward` + `run_backward_and_update`, the model from
 `place_draft_model`), once with `attention: padded` and once with the packed path:
 
     PYTHONPATH=. python benchmarks/train_throughput.py --json $OUT/train_throughput.json

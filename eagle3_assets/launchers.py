@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from pathlib import PurePosixPath
 from typing import Any
 
-from .jobs import PARAMS_ENV
+from .entrypoints import PARAMS_ENV
 from .launcher_settings import KubernetesSettings, LauncherSettings
 
 SHM_VOLUME = "eagle3-dshm"

@@ -230,7 +230,7 @@ def test_qwen3_moe_tensor_parallel_over_two_gloo_ranks_equals_transformers(targe
                                         dtype="float32", device="cpu", batch_tokens=64, parallel="tensor")])
     env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "eagle3_assets.jobs.extract_hidden_states"]
+           "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(tensor parallel)" in p.stderr and (tmp_path / "tp" / MANIFEST).is_file()

@@ -84,7 +84,7 @@ import sys
 from dagster import AssetExecutionContext, PipesSubprocessClient, asset, materialize
 import eagle3_assets.definitions  # the code location: its assets, checks and policies
 
-JOB = ("from eagle3_assets.core.vocab import VocabConfig; from eagle3_assets.jobs import run_job; "
+JOB = ("from eagle3_assets.core.vocab import VocabConfig; from eagle3_assets.entrypoints import run_job; "
        "run_job(VocabConfig, lambda p, log: log('the one line of this event'), "
        "lambda pipes, p, r: pipes.report_asset_materialization(metadata={}))")
 

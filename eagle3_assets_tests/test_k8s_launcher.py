@@ -45,7 +45,7 @@ def extract(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
         target_name=f"{root}/models/Llama-3.1-8B-Instruct",
         config=ExtractConfig(nproc=nproc),
     )
-    return launchers.GpuJob("extract-hidden-states", "eagle3_assets.jobs.extract_hidden_states", job, nproc=nproc,
+    return launchers.GpuJob("extract-hidden-states", "eagle3_assets.entrypoints.extract_hidden_states", job, nproc=nproc,
                             labels={"eagle3.dev/shard": SHARD})
 
 
@@ -54,7 +54,7 @@ def train(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
                    vocab_map_path=f"{root}/eagle3/vocab_map/vocab_map.safetensors", out_dir=f"{root}/eagle3/drafter",
                    aux_layer_ids=[2, 16, 29], draft_vocab_size=32000, config=TrainConfig(nproc=nproc),
                    state_path=f"{root}/eagle3/drafter_state/train_state.pt")
-    return launchers.GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=nproc)
+    return launchers.GpuJob("train-drafter", "eagle3_assets.entrypoints.train_drafter", job, nproc=nproc)
 
 
 def pod_as_sent(spec_kwargs: dict) -> dict:
@@ -78,8 +78,8 @@ def test_local_launcher_is_the_default_and_runs_torchrun_for_several_processes()
     assert isinstance(launchers.launcher_from_settings(Settings().launcher), launchers.LocalLauncher)
     job = extract(nproc=2)
     assert launchers.LocalLauncher.command(job)[-4:] == [
-        "--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.jobs.extract_hidden_states"]
-    assert launchers.LocalLauncher.command(train(nproc=1))[1:] == ["-m", "eagle3_assets.jobs.train_drafter"]
+        "--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
+    assert launchers.LocalLauncher.command(train(nproc=1))[1:] == ["-m", "eagle3_assets.entrypoints.train_drafter"]
     # the parameters round-trip through JSON into the job's own config classes
     assert from_json(ExtractJob, job.params_json) == job.params
     assert from_json(TrainJob, train().params_json) == train().params
@@ -136,7 +136,7 @@ def test_one_gpu_pod_runs_python_and_gpu_count_follows_the_settings():
     launcher = k8s_launcher(gpus_per_pod=1, shm_size=None, volumes=[], volume_mounts=[{"name": "x", "mountPath": "/data"}])
     spec = launcher.pod_spec(extract())
     c = spec["containers"][0]
-    assert c["command"] == ["python", "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    assert c["command"] == ["python", "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "volumes" not in spec
 
 

@@ -31,7 +31,7 @@ def job_pids() -> list[int]:
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if b"eagle3_assets.jobs.extract_hidden_states" in (p / "cmdline").read_bytes():
+                if b"eagle3_assets.entrypoints.extract_hidden_states" in (p / "cmdline").read_bytes():
                     pids.append(int(p.name))
             except OSError:
                 pass
@@ -98,7 +98,7 @@ def test_sigkill_at_several_points_then_rerun_completes_the_shard(shard_setup):
 
 def run_job(params, nproc: int) -> None:
     env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
-    job = ["-m", "eagle3_assets.jobs.extract_hidden_states"]
+    job = ["-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     cmd = [sys.executable, *job] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *job
     ]
@@ -154,7 +154,7 @@ def test_a_second_run_of_the_same_shard_refuses_while_the_first_writes(tiny_targ
     params = extract_job(generations_path=str(gens), shard_dir=str(shard), model_dir=str(tiny_target),
                            target_name="tiny", dtype="float32", device="cpu")
     env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params))}
-    cmd = [sys.executable, "-m", "eagle3_assets.jobs.extract_hidden_states"]
+    cmd = [sys.executable, "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     with shard_lock(shard):
         (shard).mkdir(parents=True, exist_ok=True)
         (shard / "0000100.safetensors").write_bytes(b"being written by the first run")

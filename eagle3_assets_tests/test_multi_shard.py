@@ -11,7 +11,7 @@ from eagle3_assets.assets import hidden_states
 from eagle3_assets.cli import history
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.core.report import shard_history
-from eagle3_assets.jobs.extract_hidden_states import LOAD_DELAY_ENV
+from eagle3_assets.entrypoints.extract_hidden_states import LOAD_DELAY_ENV
 from eagle3_assets.launchers import LocalLauncher
 from eagle3_assets.pipeline import _ranges
 from eagle3_assets.settings import Settings

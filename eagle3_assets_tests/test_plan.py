@@ -18,7 +18,7 @@ from eagle3_assets.core.sample_files import HEADER_BYTES_PER_FILE, SampleLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The system we replace on Kimi-K2.5 (REFERENCE.md): hidden 7,168, 3 aux layers, 5 shards of
+# The system we replace, as it ran on Kimi-K2.5: hidden 7,168, 3 aux layers, 5 shards of
 # 2,000 samples, 21,033,536 tokens; 3,161 tok/s and a 24.5-minute model load, 111 min of extraction.
 KIMI_HIDDEN, KIMI_SAMPLES, KIMI_TOKENS = 7168, 10_000, 21_033_536
 

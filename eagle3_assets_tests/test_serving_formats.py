@@ -91,7 +91,7 @@ def world(tmp_path_factory):
     input_ids = torch.randint(5, TINY_VOCAB, (1, SEQ))
     with torch.no_grad():
         hidden_states = target(input_ids, output_hidden_states=True).hidden_states
-    # Our training data: aux = cat(hidden_states[j] for j in AUX) (DESIGN.md, tiny.py).
+    # Our training data: aux = cat(hidden_states[j] for j in AUX) (the hidden-state file contract, tiny.py).
     aux = torch.cat([hidden_states[j] for j in AUX], dim=-1)
     return {
         "root": root, "target_dir": target_dir, "embed": embed, "drafter": drafter, "ckpt": ckpt,

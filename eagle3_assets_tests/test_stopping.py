@@ -36,7 +36,7 @@ def wait_for(condition, timeout: float = 300, what: str = "") -> None:
         time.sleep(0.05)
 
 
-def job_pids(parent: int, module: str = "eagle3_assets.jobs.train_drafter") -> list[int]:
+def job_pids(parent: int, module: str = "eagle3_assets.entrypoints.train_drafter") -> list[int]:
     """The processes under `parent` that run `module` (other tests on the machine may run it too)."""
     pids = []
     for pid in descendants(parent):

@@ -29,7 +29,8 @@ from eagle3_assets.core.sample_files import (
     validate_sample,
     write_safetensors,
 )
-from eagle3_assets.core.train import TrainConfig, TrainJob, load_target_head, target_distribution, topk_distribution, train_drafter
+from eagle3_assets.core.target import load_target_head
+from eagle3_assets.core.train import TrainConfig, TrainJob, target_distribution, topk_distribution, train_drafter
 from eagle3_assets.core.verify import verify_shard
 from eagle3_assets.core.vocab import build_vocab_map, count_tokens, save_vocab_map, vocab_map_fingerprint
 

@@ -7,13 +7,13 @@ import torch
 
 from eagle3_assets.core.drafter import DrafterConfig, Eagle3Drafter, load_checkpoint
 from eagle3_assets.core.evaluate import load_mtbench_first_turns, measure_acceptance
+from eagle3_assets.core.target import load_target_head
 from eagle3_assets.core.train import (
     TrainConfig,
     TrainJob,
     learning_rate,
     list_samples,
     load_batch,
-    load_target_head,
     plan_epoch,
     target_distribution,
     train_drafter,

@@ -38,7 +38,7 @@ def setup(tiny_target: Path, tmp_path: Path) -> dict:
 def job(params: dict, cfg: TrainConfig, nproc: int = 1, state_path=None, stop_after_s=None, **popen) -> subprocess.Popen:
     train = TrainJob(**params, config=cfg, state_path=state_path and str(state_path), stop_after_s=stop_after_s)
     env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(train)), "OMP_NUM_THREADS": "1"}
-    mod = ["-m", "eagle3_assets.jobs.train_drafter"]
+    mod = ["-m", "eagle3_assets.entrypoints.train_drafter"]
     cmd = [sys.executable, *mod] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *mod]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
@@ -114,7 +114,7 @@ def test_learning_curve_points_are_observed_live_through_pipes(tiny_target, tmp_
     def drafter(context: AssetExecutionContext):
         with observe_learning_curve(context):
             result = LocalLauncher({"OMP_NUM_THREADS": "1"}).run(
-                context, GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", train)).get_materialize_result()
+                context, GpuJob("train-drafter", "eagle3_assets.entrypoints.train_drafter", train)).get_materialize_result()
         ended.append(time.time())
         return result
 

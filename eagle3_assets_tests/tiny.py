@@ -1,5 +1,5 @@
 """Test helpers: a tiny random Llama target, a character tokenizer, and hidden-state samples
-written in the contract format (see DESIGN.md, "The hidden-state file contract")."""
+written in the hidden-state file contract's format (`core/sample_files.py`)."""
 
 from __future__ import annotations
 

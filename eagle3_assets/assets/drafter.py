@@ -16,10 +16,10 @@ from ..core.export import export_speculators, validate_for_engine, verifier_name
 from ..core.model_card import CARD_NAME
 from ..core.report import settings_snapshot, snapshot_sha256
 from ..core.sample_files import MANIFEST, shard_damage
-from ..core.target import resolve_target
-from ..core.train import TrainJob, load_target_head
+from ..core.target import load_target_head, resolve_target
+from ..core.train import TrainJob
 from ..core.vocab import load_vocab_map
-from ..jobs.train_drafter import CURVE_POINT
+from ..entrypoints.train_drafter import CURVE_POINT
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
@@ -68,7 +68,7 @@ def build(settings: Settings):
         )
         for d in (paths.drafter, *paths.drafter_exports.values()):
             (d / CARD_NAME).unlink(missing_ok=True)  # drafter_eval writes the new drafter's card
-        gpu_job = GpuJob("train-drafter", "eagle3_assets.jobs.train_drafter", job, nproc=settings.training.nproc)
+        gpu_job = GpuJob("train-drafter", "eagle3_assets.entrypoints.train_drafter", job, nproc=settings.training.nproc)
         with observe_learning_curve(context):  # each point as training logs it: real timestamps, watchable live
             trained = launcher.run(context, gpu_job).get_materialize_result()
 
@@ -111,7 +111,7 @@ def curve_observation(asset_key, point: dict) -> AssetObservation:
 @contextlib.contextmanager
 def observe_learning_curve(context: AssetExecutionContext):
     """While the training job runs, turn each learning-curve point it sends (a Pipes log line,
-    `jobs/train_drafter.py` CURVE_POINT) into an observation of the asset, as it arrives."""
+    `entrypoints/train_drafter.py` CURVE_POINT) into an observation of the asset, as it arrives."""
 
     class Points(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:

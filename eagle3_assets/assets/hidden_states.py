@@ -153,7 +153,7 @@ def build(settings: Settings):
         if not jobs:
             return results
         names = [Path(j.shard_dir).name for j in jobs]
-        gpu_job = GpuJob("extract-hidden-states", "eagle3_assets.jobs.extract_hidden_states", ExtractShards(jobs),
+        gpu_job = GpuJob("extract-hidden-states", "eagle3_assets.entrypoints.extract_hidden_states", ExtractShards(jobs),
                          nproc=settings.extraction.nproc,
                          labels={SHARD_LABEL: names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"})
         try:

@@ -1,7 +1,7 @@
 """Serving formats for the EAGLE-3 drafter: the `speculators` layout, engine-specific configs,
 and a validator that says what an engine would get wrong before it silently gets it wrong.
 
-Our checkpoint (`drafter.save_checkpoint`, DESIGN.md "drafter checkpoint contract") is the
+Our checkpoint (`drafter.save_checkpoint`, the drafter checkpoint contract) is the
 official EAGLE-3 layout: `config.json` (`architectures: ["LlamaForCausalLMEagle3"]`) and
 `model.safetensors` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`,
 `t2d`; aux layer ids in the Hugging Face `hidden_states` convention (0 = embeddings, j = output
@@ -114,7 +114,7 @@ def sglang_layer_ids(hf_ids: list[int]) -> list[int]:
     `LlamaForCausalLM.set_eagle3_layers_to_capture`) sets `layers_to_capture = [val + 1 for val
     in layer_ids]` and captures the input of each such layer, i.e. id X reads the output of
     decoder layer X = HF `hidden_states[X + 1]`. Some SGLang versions and forks change this
-    shift (REFERENCE.md: sglang PR 25454); check the deployed version's
+    shift (sgl-project/sglang PR 25454); check the deployed version's
     `set_eagle3_layers_to_capture` before serving. HF index 0 (the embeddings) has no
     non-negative SGLang id and is rejected.
     """

@@ -1,6 +1,6 @@
 """The extraction job of one or several shards, as run by each process (rank) of a launch.
 
-Plain Python: the Pipes entry point (`eagle3_assets.jobs.extract_hidden_states`) passes it
+Plain Python: the Pipes entry point (`eagle3_assets.entrypoints.extract_hidden_states`) passes it
 the shards and a logger, and reports what it returns for each. Under `torchrun` every rank
 loads the model and extracts its share of each shard's rows (data parallel), or all ranks
 run one model sharded over them (tensor parallel, rank 0 writes); rank 0 writes each
@@ -53,7 +53,7 @@ from .sample_files import (
     sample_file,
     write_manifest,
 )
-from .target import DTYPES, check_aux_layer_ids, load_model, resolve_target
+from .target import DTYPES, check_aux_layer_ids, load_model, load_target_head, resolve_target
 from .vocab import load_vocab_map, vocab_map_fingerprint
 
 
@@ -301,8 +301,6 @@ class _Target:
         t1 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, str(self.dist.device), base_only=True, tensor_parallel=self.tensor)
         if self.vocab and self.writes:  # the base model has no lm_head: read it alone from the checkpoint
-            from .train import load_target_head
-
             self.teacher = TopkTeacher(load_target_head(self.model_dir)[1], self.vocab[0], self.vocab[1],
                                        self.config.topk, self.dist.device, self.dtype)
         self.model_load_s = time.perf_counter() - t1

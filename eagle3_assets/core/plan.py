@@ -323,10 +323,10 @@ def _duration(seconds: float | None) -> str:
 H200_BYTES = 141e9  # NVIDIA's H200 specification: 141 GB of HBM3e
 RESERVE_FRACTION = 0.10  # CUDA context, allocator fragmentation, kernels' workspaces: kept free
 
-# The one-GPU MoE rates of issue 21 (REFERENCE.md, "Measured 2026-12-04 on one H200"):
+# The one-GPU MoE rates of issue 21, measured 2026-12-04 on one H200:
 # benchmarks/extract_throughput.py --arch deepseek_v3, random bf16 weights, 48 samples of 256-2,048
 # tokens. Replace them with a newer measurement of the same benchmark when there is one.
-# The H200's fsync'd sequential write rate (REFERENCE.md, 2026-12-02): a GPU's files cannot go faster.
+# The H200's fsync'd sequential write rate (measured 2026-12-02): a GPU's files cannot go faster.
 DISK_CEILING_BYTES_PER_S = 1.30e9
 
 MEASURED_MOE = {

