@@ -77,12 +77,10 @@ def _job_client():
     import os
     import subprocess
 
-    from dagster import Failure, PipesSubprocessClient
-    from dagster._core.errors import DagsterPipesExecutionError
-    from dagster._core.pipes.client import PipesClientCompletedInvocation
-    from dagster._core.pipes.utils import open_pipes_session
+    from dagster import Failure, PipesClientCompletedInvocation, PipesSubprocessClient, open_pipes_session
 
     from .core import stopping
+    from .dagster_compat import PipesExecutionError
 
     class JobClient(PipesSubprocessClient):
         def run(self, *, context, command, env=None, extras=None, cwd=None):
@@ -98,7 +96,7 @@ def _job_client():
                     raise Failure(f"stopped by {signal_name}: the job saved what it had done and exited "
                                   f"(code {process.returncode}); `eagle3 run` continues from there", allow_retries=False)
                 if process.returncode != 0:
-                    raise DagsterPipesExecutionError(f"External execution process failed with code {process.returncode}")
+                    raise PipesExecutionError(f"External execution process failed with code {process.returncode}")
             return PipesClientCompletedInvocation(session)
 
     return JobClient()

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from .assets import prompts as prompts_asset
 from .core import stopping
+from .dagster_compat import DATA_VERSION_TAG, RANGE_END_TAG, RANGE_START_TAG, stale_causes
 from .core.layout import Layout
 from .core.sample_files import MANIFEST, shard_damage
 from .definitions import JOBS
@@ -115,20 +115,11 @@ class Planner:
                 return f"damaged: {damage}"
         if unit.asset == "prompts":
             current = prompts_asset.data_version(self.settings)
-            if latest.asset_materialization.tags.get("dagster/data_version") != current:
+            if latest.asset_materialization.tags.get(DATA_VERSION_TAG) != current:
                 return "the prompt file or its settings changed"
-        from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
-        from dagster._core.definitions.temporal_context import TemporalContext
-        from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView
-        from dagster._time import get_current_datetime
-
-        graph = self.defs.resolve_asset_graph()
-        view = AssetGraphView(temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
-                              instance=self.instance, asset_graph=graph)
-        resolver = CachingStaleStatusResolver(self.instance, graph, view)
-        if resolver.get_status(key, unit.partition) == StaleStatus.STALE:
-            causes = resolver.get_stale_root_causes(key, unit.partition)
-            return "stale: " + "; ".join(sorted({_describe(c) for c in causes})) if causes else "stale"
+        causes = stale_causes(self.defs, self.instance, key, unit.partition)
+        if causes is not None:
+            return "stale: " + "; ".join(causes) if causes else "stale"
         return None
 
     def _missing(self, unit: Unit):
@@ -178,11 +169,6 @@ def _ranges(keys: list[str], wanted) -> list[list[str]]:
             out.append([k])
         prev = i
     return out
-
-
-def _describe(cause) -> str:
-    where = cause.key.asset_key.to_user_string() + (f"[{cause.key.partition_key}]" if cause.key.partition_key else "")
-    return f"{where} {cause.reason}"
 
 
 class RunStopped(RuntimeError):
@@ -330,8 +316,7 @@ def run_pipeline(
             result = defs.resolve_job_def("extraction_job").execute_in_process(
                 instance=instance,
                 partition_key=group[0] if one else None,
-                tags={**tags, **({} if one else {ASSET_PARTITION_RANGE_START_TAG: group[0],
-                                                 ASSET_PARTITION_RANGE_END_TAG: group[-1]})},
+                tags={**tags, **({} if one else {RANGE_START_TAG: group[0], RANGE_END_TAG: group[-1]})},
                 raise_on_error=False,
                 run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
             )

@@ -41,6 +41,7 @@ from ..checks import SHARD_CHECK, shard_complete
 from ..core import stopping
 from ..core.extract_job import ExtractJob, ExtractShards
 from ..core.target import resolve_target
+from ..dagster_compat import DATA_VERSION_TAG, version_tags
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
@@ -174,20 +175,12 @@ def _version_tags(context: AssetExecutionContext, shard: str, code_version: str,
     """The data-version tags Dagster gives an asset's own output, per shard: the code version,
     the version of each input it read (generations[shard], and the vocab map for the top-k
     teacher) and the logical version of them all."""
-    from dagster._core.definitions.data_version import (
-        CODE_VERSION_TAG, DATA_VERSION_TAG, DEFAULT_DATA_VERSION, DataVersion, compute_logical_data_version,
-        get_input_data_version_tag, get_input_event_pointer_tag,
-    )
-
-    tags, versions = {CODE_VERSION_TAG: code_version}, {}
+    inputs = {}
     for name in upstream:
         key = AssetKey(name)
         partitions = [shard] if name == "generations" else None  # the vocab map is not partitioned
         records = context.instance.fetch_materializations(
             AssetRecordsFilter(asset_key=key, asset_partitions=partitions), limit=1).records
-        recorded = (records[0].asset_materialization.tags or {}).get(DATA_VERSION_TAG) if records else None
-        versions[key] = DataVersion(recorded) if recorded else DEFAULT_DATA_VERSION
-        tags[get_input_data_version_tag(key)] = versions[key].value
-        tags[get_input_event_pointer_tag(key)] = str(records[0].storage_id) if records else "NULL"
-    tags[DATA_VERSION_TAG] = compute_logical_data_version(code_version, versions).value
-    return tags
+        inputs[key] = ((records[0].asset_materialization.tags or {}).get(DATA_VERSION_TAG), records[0].storage_id) \
+            if records else (None, None)
+    return version_tags(code_version, inputs)
