@@ -15,6 +15,7 @@ from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
+JOB = "shard_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "generation")
 SETTINGS_USED_ALL_TURNS = ("max_prompt_tokens",)  # the budget of every later turn's prompt
 

@@ -49,6 +49,7 @@ from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
+JOB = "extraction_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")
 SHARD_LABEL = "eagle3.dev/shard"
 KEY = AssetKey("hidden_states")
