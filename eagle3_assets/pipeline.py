@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, BackfillPolicyType, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
 
 from .assets import prompts as prompts_asset
 from .core import stopping
@@ -361,7 +361,7 @@ def run_pipeline(
             if unknown:  # a typo must not select nothing and report "up to date"
                 raise ValueError(f"--select: no shard {', '.join(unknown)}; the shards are {', '.join(keys) or 'none yet'}")
         ready = [k for k in keys if k not in failed]
-        single_run = node.backfill_policy is not None and node.backfill_policy.policy_type == BackfillPolicyType.SINGLE_RUN
+        single_run = node.backfill_policy is not None and node.backfill_policy.max_partitions_per_run is None
         if single_run:
             failed += extract(job, names[0], keys, ready)
         else:
