@@ -1,13 +1,15 @@
 """The Dagster code location: the six assets, wired from one settings file.
 
-The settings file is $EAGLE3_SETTINGS, else ./eagle3.yaml, else the embedded demo.
-Code versions include the settings each asset depends on, so changing one marks
-exactly the affected assets stale in the UI.
+The settings are an argument: `build_definitions(settings)`. The CLI builds the definitions
+from its --settings; `dagster dev` and the code server load `defs`, which reads the settings
+file when Dagster loads the location (not at import): $EAGLE3_SETTINGS, else ./eagle3.yaml,
+else the embedded demo. Code versions include the settings each asset depends on, so changing
+one marks exactly the affected assets stale in the UI.
 """
 
 from __future__ import annotations
 
-from dagster import AssetSelection, Definitions, define_asset_job
+from dagster import AssetSelection, Definitions, define_asset_job, definitions
 
 from . import checks
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
@@ -62,5 +64,8 @@ def build_definitions(settings: Settings, launcher=None) -> Definitions:
     )
 
 
-SETTINGS = load_settings(settings_path_from_env())
-defs = build_definitions(SETTINGS)
+@definitions
+def defs() -> Definitions:
+    """The code location of `dagster dev` (workspace.yaml) and of the code server
+    (`-m eagle3_assets.definitions`): the settings file is read here, when Dagster loads it."""
+    return build_definitions(load_settings(settings_path_from_env()))

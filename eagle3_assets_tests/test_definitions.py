@@ -63,3 +63,18 @@ def test_the_graph_order_and_the_jobs_are_read_from_the_assets_deps():
     # the top-k teacher's files are over the draft vocabulary: the vocab map comes before the extraction
     assert graph_order(topk) == ["prompts", "generations", "vocab_map", "hidden_states", "drafter", "drafter_eval"]
     assert asset_jobs(topk) == jobs
+
+
+def test_importing_the_code_location_reads_no_settings(tmp_path):
+    """The settings are an argument (`build_definitions(settings)`); `defs` reads the file only when
+    Dagster loads the location, so an import names no file and fails on none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "EAGLE3_SETTINGS": str(tmp_path / "missing.yaml"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-c", "import eagle3_assets.definitions as d; assert not hasattr(d, 'SETTINGS')"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
