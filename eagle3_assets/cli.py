@@ -111,19 +111,10 @@ def cmd_run(args) -> int:
 
 
 def _latest(instance, asset: str, partition: str | None = None) -> dict:
-    from dagster import AssetKey
+    from .records import latest
 
-    rec = instance.get_latest_materialization_event(AssetKey(asset)) if partition is None else None
-    if partition is not None:
-        from dagster import AssetRecordsFilter
-
-        res = instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]), limit=1
-        )
-        rec = res.records[0].event_log_entry if res.records else None
-    if rec is None or rec.asset_materialization is None:
-        return {}
-    return {k: _raw(v) for k, v in rec.asset_materialization.metadata.items()}
+    record = latest(instance, asset, partition)
+    return {k: _raw(v) for k, v in record.asset_materialization.metadata.items()} if record is not None else {}
 
 
 def summary(instance, keys: list[str]) -> str:
@@ -171,27 +162,21 @@ def _raw(value):
 
 
 def history(instance) -> list[dict]:
-    from dagster import AssetRecordsFilter
+    from .records import materializations
 
     out = []
     for key in instance.get_asset_keys():
-        cursor = None
-        while True:
-            res = instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1000, cursor=cursor)
-            for r in res.records:
-                m = r.asset_materialization
-                out.append(
-                    {
-                        "asset": key.to_user_string(),
-                        "partition": m.partition,
-                        "run_id": r.run_id,
-                        "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
-                        "metadata": {k: _raw(v) for k, v in m.metadata.items()},
-                    }
-                )
-            if not res.has_more:
-                break
-            cursor = res.cursor
+        for r in materializations(instance, key):
+            m = r.asset_materialization
+            out.append(
+                {
+                    "asset": key.to_user_string(),
+                    "partition": m.partition,
+                    "run_id": r.run_id,
+                    "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+                    "metadata": {k: _raw(v) for k, v in m.metadata.items()},
+                }
+            )
     return sorted(out, key=lambda r: (r["timestamp"], r["asset"], r["partition"] or ""))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
 
 from .assets import prompts as prompts_asset
 from .core import stopping
@@ -41,6 +41,7 @@ from .dagster_compat import DATA_VERSION_TAG, RANGE_END_TAG, RANGE_START_TAG, st
 from .core.layout import Layout
 from .core.sample_files import MANIFEST, shard_damage
 from .definitions import asset_jobs, graph_order
+from . import records
 from .policies import FORCE_TAG
 from .settings import Settings
 
@@ -142,9 +143,7 @@ class Planner:
         return latest is not None and latest.run_id == run_id
 
     def _latest(self, key: AssetKey, partition: str | None):
-        flt = AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None)
-        records = self.instance.fetch_materializations(flt, limit=1).records
-        return records[0] if records else None
+        return records.latest(self.instance, key, partition)
 
     def _failed_since(self, key: AssetKey, partition: str | None, storage_id: int) -> bool:
         """A materialization was planned after the latest one, and its run did not succeed."""

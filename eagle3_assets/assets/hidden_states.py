@@ -28,7 +28,6 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetMaterialization,
-    AssetRecordsFilter,
     BackfillPolicy,
     DagsterEventType,
     Failure,
@@ -47,6 +46,7 @@ from ..dagster_compat import DATA_VERSION_TAG, version_tags
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
+from ..records import latest
 from ..resources import layout
 from ..settings import Settings
 
@@ -179,7 +179,7 @@ def build(settings: Settings):
 
 def _materialized_in_run(context: AssetExecutionContext, keys: list[str]) -> set[str]:
     """The shards an earlier attempt of this run materialized (a step retry skips them)."""
-    events = context.instance.all_logs(context.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+    events = context.instance.all_logs(context.run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
     return {e.dagster_event.partition for e in events if e.dagster_event.asset_key == KEY} & set(keys)
 
 
@@ -190,9 +190,7 @@ def _version_tags(context: AssetExecutionContext, shard: str, code_version: str,
     inputs = {}
     for name in upstream:
         key = AssetKey(name)
-        partitions = [shard] if name == "generations" else None  # the vocab map is not partitioned
-        records = context.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=key, asset_partitions=partitions), limit=1).records
-        inputs[key] = ((records[0].asset_materialization.tags or {}).get(DATA_VERSION_TAG), records[0].storage_id) \
-            if records else (None, None)
+        record = latest(context.instance, key, shard if name == "generations" else None)  # the vocab map is not partitioned
+        inputs[key] = ((record.asset_materialization.tags or {}).get(DATA_VERSION_TAG), record.storage_id) \
+            if record is not None else (None, None)
     return version_tags(code_version, inputs)
