@@ -28,10 +28,23 @@ def _enter(args) -> Path:
     root = find_root()
     os.chdir(root)  # dagster.yaml's storage paths are relative to the root
     os.environ.setdefault("DAGSTER_HOME", str(root))
-    if getattr(args, "settings", None):
-        os.environ["EAGLE3_SETTINGS"] = str(Path(args.settings).resolve())
     ensure_instance(Path(os.environ["DAGSTER_HOME"]))
     return root
+
+
+def _settings_path(args) -> str | None:
+    """The command's settings file: --settings, else $EAGLE3_SETTINGS, else ./eagle3.yaml if
+    present (None: the embedded demo). Relative to the project root, where `_enter` moved."""
+    from .settings import settings_path_from_env
+
+    given = getattr(args, "settings", None)
+    return str(Path(given).resolve()) if given else settings_path_from_env()
+
+
+def _settings(args):
+    from .settings import load_settings
+
+    return load_settings(_settings_path(args))
 
 
 def ensure_instance(dagster_home: Path) -> None:
@@ -71,13 +84,15 @@ def cmd_run(args) -> int:
     # SIGTERM or one Ctrl-C from here on: the jobs save their state, no further step starts.
     stopping.install()
     _enter(args)
-    from .definitions import SETTINGS, defs
+    from .definitions import build_definitions
     from .pipeline import AnotherRun, RunStopped, exclusive_run, run_pipeline
 
+    settings = _settings(args)
+    defs = build_definitions(settings)
     instance = _instance()
     try:
-        with exclusive_run(SETTINGS.root):
-            ok = run_pipeline(defs, instance, SETTINGS, force=args.force, select=args.select,
+        with exclusive_run(settings.root):
+            ok = run_pipeline(defs, instance, settings, force=args.force, select=args.select,
                               log=lambda m: print(m, flush=True))
     except AnotherRun as e:
         print(f"eagle3 run: {e}", file=sys.stderr)
@@ -96,19 +111,10 @@ def cmd_run(args) -> int:
 
 
 def _latest(instance, asset: str, partition: str | None = None) -> dict:
-    from dagster import AssetKey
+    from .records import latest
 
-    rec = instance.get_latest_materialization_event(AssetKey(asset)) if partition is None else None
-    if partition is not None:
-        from dagster import AssetRecordsFilter
-
-        res = instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]), limit=1
-        )
-        rec = res.records[0].event_log_entry if res.records else None
-    if rec is None or rec.asset_materialization is None:
-        return {}
-    return {k: _raw(v) for k, v in rec.asset_materialization.metadata.items()}
+    record = latest(instance, asset, partition)
+    return {k: _raw(v) for k, v in record.asset_materialization.metadata.items()} if record is not None else {}
 
 
 def summary(instance, keys: list[str]) -> str:
@@ -156,27 +162,21 @@ def _raw(value):
 
 
 def history(instance) -> list[dict]:
-    from dagster import AssetRecordsFilter
+    from .records import materializations
 
     out = []
     for key in instance.get_asset_keys():
-        cursor = None
-        while True:
-            res = instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=1000, cursor=cursor)
-            for r in res.records:
-                m = r.asset_materialization
-                out.append(
-                    {
-                        "asset": key.to_user_string(),
-                        "partition": m.partition,
-                        "run_id": r.run_id,
-                        "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
-                        "metadata": {k: _raw(v) for k, v in m.metadata.items()},
-                    }
-                )
-            if not res.has_more:
-                break
-            cursor = res.cursor
+        for r in materializations(instance, key):
+            m = r.asset_materialization
+            out.append(
+                {
+                    "asset": key.to_user_string(),
+                    "partition": m.partition,
+                    "run_id": r.run_id,
+                    "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+                    "metadata": {k: _raw(v) for k, v in m.metadata.items()},
+                }
+            )
     return sorted(out, key=lambda r: (r["timestamp"], r["asset"], r["partition"] or ""))
 
 
@@ -233,7 +233,8 @@ def cmd_report(args) -> int:
     import polars as pl
 
     from .core.report import manifests_summary, throughput_report
-    from .definitions import SETTINGS
+
+    settings = _settings(args)
 
     print_drafters(history(_instance()))
     # The table alone: no shape line, no dtype row; numbers with thousands separators.
@@ -242,7 +243,7 @@ def cmd_report(args) -> int:
         print("throughput_report (every hidden_states materialization in the instance)")
         print(throughput_report(history(_instance())))
     print("\non disk now (manifests):")
-    for shard, samples, tokens, nbytes in manifests_summary(SETTINGS.root / "hidden_states"):
+    for shard, samples, tokens, nbytes in manifests_summary(settings.root / "hidden_states"):
         print(f"  {shard}: {samples} samples, {tokens:,} tokens, {nbytes:,} bytes of sample files")
     return 0
 
@@ -373,9 +374,8 @@ def _done(shard, paths) -> bool:
 def cmd_plan(args) -> int:
     _enter(args)
     from .core.plan import format_plan
-    from .settings import load_settings, settings_path_from_env
 
-    settings = load_settings(settings_path_from_env())
+    settings = _settings(args)
     instance = _instance()
     result = plan_from_settings(settings, history(instance), args.tokens_per_s, instance, args.quick)
     if getattr(args, "gpus", None):
@@ -422,9 +422,8 @@ def cmd_verify(args) -> int:
     was written; exit 1 if any is damaged."""
     _enter(args)
     from .core.verify import verify_all
-    from .settings import load_settings, settings_path_from_env
 
-    settings = load_settings(settings_path_from_env())
+    settings = _settings(args)
     results = verify_all(settings.root / "hidden_states", delete=args.delete)
     for shard, bad in results.items():
         print(f"{shard}: " + ("ok" if not bad else f"{len(bad)} damaged"), flush=True)
@@ -461,9 +460,8 @@ def cmd_ui(args) -> int:
     from .core import stopping
 
     root = _enter(args)
-    from .settings import load_settings, settings_path_from_env
-
-    load_settings(settings_path_from_env())  # a bad file fails here, in one line, not in the UI's code location
+    path = _settings_path(args)
+    _settings(args)  # a bad file fails here, in one line, not in the UI's code location
 
     received: list[int] = []
 
@@ -474,7 +472,9 @@ def cmd_ui(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     # This interpreter's own Dagster: `.venv/bin/eagle3 ui` works without activating the venv.
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", str(root / "workspace.yaml"), "-p", str(args.port), "-h", args.host]
-    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=stopping.parent_death_signal(parent=os.getpid()))
+    # `dagster dev` loads the code location itself (definitions.defs): it reads the file from the environment.
+    env = {**os.environ, **({"EAGLE3_SETTINGS": path} if path else {})}
+    child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=stopping.parent_death_signal(parent=os.getpid()))
     deadline = None
     while child.poll() is None:
         if received and deadline is None:
@@ -521,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     h.set_defaults(func=cmd_history)
     rp = sub.add_parser("report", help="every drafter compared (tau per set and category, data, training, settings "
                                        "changed); throughput per shard: runs, tokens/s (latest, best), bytes")
+    rp.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")
     rp.set_defaults(func=cmd_report)
     v = sub.add_parser("verify", help="read every sample file whole against the checksums written with it")
     v.add_argument("--settings", help="settings YAML (default: ./eagle3.yaml if present, else the embedded demo)")

@@ -1,15 +1,37 @@
-"""Where the GPU jobs run: one interface, supplied to the assets as the Dagster resource `launcher`.
+"""Where the GPU jobs run: one Dagster resource, `launcher`, that the GPU assets take.
 
 Both GPU jobs (hidden-state extraction per shard, drafter training) are a `GpuJob`: a Pipes
 entry module, its parameters (a config dataclass, sent as JSON in $EAGLE3_JOB_PARAMS) and a
-process count. A `Launcher` runs it through a Dagster Pipes client and returns the client's
-invocation, whose materialization the asset returns:
+process count. A `Launcher` (a `ConfigurableResource`) runs it through a Dagster Pipes client
+and returns the client's invocation, whose materialization the asset returns:
 
 - `LocalLauncher` (`launcher.kind: local`, the default): a subprocess on this machine
   (`PipesSubprocessClient`), under `torchrun` with one process per GPU when `nproc` > 1, in a
   session of its own: it stops (state saved) when this process is told to, and dies with it;
 - `KubernetesLauncher` (`launcher.kind: kubernetes`): one pod per job (`dagster_k8s.PipesK8sClient`)
   that runs `torchrun` over its GPUs; rank 0 talks Pipes over the pod's logs.
+
+Both build their command with `job_command`. `LauncherSettings` is the `launcher:` section of the
+settings file:
+
+```yaml
+launcher:
+  kind: kubernetes
+  kubernetes:
+    image: registry.example.com/eagle3-assets:0.1.0
+    namespace: eagle3
+    gpus_per_pod: 8
+    node_selector: {nvidia.com/gpu.product: NVIDIA-H200}
+    volumes: [{name: data, persistentVolumeClaim: {claimName: eagle3-data}}]
+    volume_mounts: [{name: data, mountPath: /data}]
+storage_root: /data/eagle3
+```
+
+Volumes, mounts and tolerations are written as in a Kubernetes pod spec (camelCase keys);
+`KubernetesLauncher.pod_spec` places them in the pod, and the tests validate the result against
+the Kubernetes OpenAPI schema. The shard files cross from the Dagster run to the GPU pod
+through the shared filesystem, so `storage_root` (and the target model) must lie under one
+of `volume_mounts`, mounted at the same path in the Dagster run pods.
 
 `launcher_from_settings` picks one; `definitions.py` hands it to the assets, and a test or a
 deployment swaps it by passing another `launcher` resource.
@@ -20,12 +42,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from abc import ABC, abstractmethod
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Literal
+
+from dagster import Config, ConfigurableResource
+from pydantic import ConfigDict, Field
 
 from .entrypoints import PARAMS_ENV
-from .launcher_settings import KubernetesSettings, LauncherSettings
 
 SHM_VOLUME = "eagle3-dshm"
 JOB_LABEL = "eagle3.dev/job"
@@ -44,29 +67,81 @@ class GpuJob:
         return json.dumps(dataclasses.asdict(self.params))
 
 
-class Launcher(ABC):
+# The `launcher:` section of the settings file (strict: a typo in a key fails loudly).
+class _Strict(Config):
+    """Dagster config (the resource's fields), strict: a typo in a key fails loudly."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PodResources(_Strict):
+    """CPU and memory of one extraction pod (requests = limits: a guaranteed pod is not evicted first)."""
+
+    cpu: str = "32"
+    memory: str = "256Gi"
+
+
+class KubernetesSettings(_Strict):
+    image: str = "eagle3-assets:latest"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    namespace: str | None = None  # None: the namespace the Dagster run pod is in, else "default"
+    gpus_per_pod: int | None = Field(None, ge=1)  # None: extraction.nproc; one torchrun process per GPU
+    gpu_resource: str = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    volumes: list[dict[str, Any]] = [{"name": "eagle3-data", "persistentVolumeClaim": {"claimName": "eagle3-data"}}]
+    volume_mounts: list[dict[str, Any]] = [{"name": "eagle3-data", "mountPath": "/data"}]
+    resources: PodResources = PodResources()
+    shm_size: str | None = "64Gi"  # /dev/shm for torch/NCCL; None keeps the container runtime's 64 MiB
+    service_account: str | None = None
+    env: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    pod_wait_timeout_s: float = Field(24 * 3600, ge=0)  # 0: wait forever
+    delete_pod_on_completion: bool = True
+    load_incluster_config: bool | None = None  # None: in cluster when KUBERNETES_SERVICE_HOST is set
+    kubeconfig_file: str | None = None
+    kube_context: str | None = None
+    poll_interval_s: float = Field(10.0, gt=0)
+
+
+class LauncherSettings(_Strict):
+    kind: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesSettings = KubernetesSettings()
+
+
+def job_command(module: str, nproc: int, python: list[str], torchrun: list[str]) -> list[str]:
+    """`python -m module`, or one process per GPU of this node under torchrun."""
+    entry = ["-m", module]
+    if nproc == 1:
+        return [*python, *entry]
+    return [*torchrun, "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", *entry]
+
+
+class Launcher(ConfigurableResource):
     """Runs a GPU job through Dagster Pipes; the job's rank 0 reports the materialization."""
 
-    @abstractmethod
     def run(self, context, job: GpuJob):
         """Launch `job` for the asset being materialized in `context`; returns the Pipes invocation."""
+        raise NotImplementedError
 
 
 class LocalLauncher(Launcher):
     """A subprocess of the Dagster run: `python -m module`, or `torchrun` for several processes."""
 
-    def __init__(self, env: dict[str, str] | None = None):
-        self.env = dict(env or {})
+    # added to the job's environment (tests: delays, thread counts). Not `env`: Dagster reads a
+    # config entry {"env": ...} as an environment-variable reference.
+    job_env: dict[str, str] = {}
+
+    def __init__(self, env: dict[str, str] | None = None, **kwargs):
+        super().__init__(**{"job_env": dict(env or {}), **kwargs})
 
     @staticmethod
     def command(job: GpuJob) -> list[str]:
-        entry = ["-m", job.module]
-        if job.nproc == 1:
-            return [sys.executable, *entry]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}", *entry]
+        # This interpreter's torch: the job runs in the Dagster run's environment.
+        return job_command(job.module, job.nproc, [sys.executable], [sys.executable, "-m", "torch.distributed.run"])
 
     def run(self, context, job: GpuJob):
-        return _job_client().run(context=context, command=self.command(job), env={**self.env, PARAMS_ENV: job.params_json})
+        return _job_client().run(context=context, command=self.command(job), env={**self.job_env, PARAMS_ENV: job.params_json})
 
 
 def _job_client():
@@ -77,12 +152,10 @@ def _job_client():
     import os
     import subprocess
 
-    from dagster import Failure, PipesSubprocessClient
-    from dagster._core.errors import DagsterPipesExecutionError
-    from dagster._core.pipes.client import PipesClientCompletedInvocation
-    from dagster._core.pipes.utils import open_pipes_session
+    from dagster import Failure, PipesClientCompletedInvocation, PipesSubprocessClient, open_pipes_session
 
     from .core import stopping
+    from .dagster_compat import PipesExecutionError
 
     class JobClient(PipesSubprocessClient):
         def run(self, *, context, command, env=None, extras=None, cwd=None):
@@ -98,7 +171,7 @@ def _job_client():
                     raise Failure(f"stopped by {signal_name}: the job saved what it had done and exited "
                                   f"(code {process.returncode}); `eagle3 run` continues from there", allow_retries=False)
                 if process.returncode != 0:
-                    raise DagsterPipesExecutionError(f"External execution process failed with code {process.returncode}")
+                    raise PipesExecutionError(f"External execution process failed with code {process.returncode}")
             return PipesClientCompletedInvocation(session)
 
     return JobClient()
@@ -107,8 +180,10 @@ def _job_client():
 class KubernetesLauncher(Launcher):
     """One pod per job on the cluster, from the `launcher.kubernetes` settings."""
 
-    def __init__(self, settings: KubernetesSettings):
-        self.settings = settings
+    settings: KubernetesSettings = KubernetesSettings()
+
+    def __init__(self, settings: KubernetesSettings | None = None, **kwargs):
+        super().__init__(settings=settings or KubernetesSettings(), **kwargs)
 
     def client(self):
         try:
@@ -151,12 +226,8 @@ class KubernetesLauncher(Launcher):
         return {"labels": {**self.settings.labels, JOB_LABEL: job.name, **job.labels}}
 
     def pod_command(self, job: GpuJob) -> list[str]:
-        """One process per GPU under torchrun (plain python for one GPU)."""
-        gpus = self.gpus(job)
-        entry = ["-m", job.module]
-        if gpus == 1:
-            return ["python", *entry]
-        return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={gpus}", *entry]
+        """One process per GPU under torchrun (plain python for one GPU), the image's own."""
+        return job_command(job.module, self.gpus(job), ["python"], ["torchrun"])
 
     def pod_spec(self, job: GpuJob) -> dict[str, Any]:
         """The job's pod spec (Kubernetes PodSpec, camelCase)."""

@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
 
 from .assets import prompts as prompts_asset
 from .core import stopping
+from .dagster_compat import DATA_VERSION_TAG, RANGE_END_TAG, RANGE_START_TAG, stale_causes
 from .core.layout import Layout
 from .core.sample_files import MANIFEST, shard_damage
-from .definitions import JOBS
-from .partitions import shards
+from .definitions import asset_jobs, graph_order
+from . import records
 from .policies import FORCE_TAG
 from .settings import Settings
 
@@ -115,20 +115,11 @@ class Planner:
                 return f"damaged: {damage}"
         if unit.asset == "prompts":
             current = prompts_asset.data_version(self.settings)
-            if latest.asset_materialization.tags.get("dagster/data_version") != current:
+            if latest.asset_materialization.tags.get(DATA_VERSION_TAG) != current:
                 return "the prompt file or its settings changed"
-        from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
-        from dagster._core.definitions.temporal_context import TemporalContext
-        from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView
-        from dagster._time import get_current_datetime
-
-        graph = self.defs.resolve_asset_graph()
-        view = AssetGraphView(temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
-                              instance=self.instance, asset_graph=graph)
-        resolver = CachingStaleStatusResolver(self.instance, graph, view)
-        if resolver.get_status(key, unit.partition) == StaleStatus.STALE:
-            causes = resolver.get_stale_root_causes(key, unit.partition)
-            return "stale: " + "; ".join(sorted({_describe(c) for c in causes})) if causes else "stale"
+        causes = stale_causes(self.defs, self.instance, key, unit.partition)
+        if causes is not None:
+            return "stale: " + "; ".join(causes) if causes else "stale"
         return None
 
     def _missing(self, unit: Unit):
@@ -152,9 +143,7 @@ class Planner:
         return latest is not None and latest.run_id == run_id
 
     def _latest(self, key: AssetKey, partition: str | None):
-        flt = AssetRecordsFilter(asset_key=key, asset_partitions=[partition] if partition else None)
-        records = self.instance.fetch_materializations(flt, limit=1).records
-        return records[0] if records else None
+        return records.latest(self.instance, key, partition)
 
     def _failed_since(self, key: AssetKey, partition: str | None, storage_id: int) -> bool:
         """A materialization was planned after the latest one, and its run did not succeed."""
@@ -178,11 +167,6 @@ def _ranges(keys: list[str], wanted) -> list[list[str]]:
             out.append([k])
         prev = i
     return out
-
-
-def _describe(cause) -> str:
-    where = cause.key.asset_key.to_user_string() + (f"[{cause.key.partition_key}]" if cause.key.partition_key else "")
-    return f"{where} {cause.reason}"
 
 
 class RunStopped(RuntimeError):
@@ -272,8 +256,9 @@ def run_pipeline(
     vocab map, drafter and its evaluation (with `extraction.teacher: topk` the vocab map comes
     between the generations and the hidden states). A failed shard is named and the others still run; the
     drafter chain waits for every shard."""
-    names = [a for assets in JOBS.values() for a in assets]
-    selection = Selection.parse(select, names)
+    order = graph_order(defs)
+    graph, job_of = defs.resolve_asset_graph(), asset_jobs(defs)
+    selection = Selection.parse(select, order)
     planner = Planner(defs, instance, settings, force)
     mark_killed_runs(instance, log)
     tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), **({FORCE_TAG: "1"} if force else {})}
@@ -314,53 +299,75 @@ def run_pipeline(
         skipped.extend(str(u) for u in units if str(u) not in ran and str(u) not in skipped)
         return True
 
-    def extract(keys: list[str], ready: list[str]) -> list[str]:
-        """Hidden states of the `ready` shards that need them, one run per contiguous range of
-        `keys` (a run's range cannot skip a shard); returns the shards that failed."""
-        units = [Unit("hidden_states", k) for k in ready if selection.wants(Unit("hidden_states", k))]
+    def extract(job: str, asset: str, keys: list[str], ready: list[str]) -> list[str]:
+        """`asset` (one run over a range of shards: the hidden states) of the `ready` shards that
+        need it, one run per contiguous range of `keys` (a run's range cannot skip a shard);
+        returns the shards that failed."""
+        units = [Unit(asset, k) for k in ready if selection.wants(Unit(asset, k))]
         todo = {u.partition: r for u in units if (r := planner.reason(u))}
         skipped.extend(str(u) for u in units if u.partition not in todo)
         failed = []
         for group in _ranges(keys, todo):
             check_stopped()
             for k in group:
-                log(f"-> hidden_states[{k}]: {todo[k]}")
-            planner.forced.update(Unit("hidden_states", k) for k in group)
+                log(f"-> {asset}[{k}]: {todo[k]}")
+            planner.forced.update(Unit(asset, k) for k in group)
             one = len(group) == 1
-            result = defs.resolve_job_def("extraction_job").execute_in_process(
+            result = defs.resolve_job_def(job).execute_in_process(
                 instance=instance,
                 partition_key=group[0] if one else None,
-                tags={**tags, **({} if one else {ASSET_PARTITION_RANGE_START_TAG: group[0],
-                                                 ASSET_PARTITION_RANGE_END_TAG: group[-1]})},
+                tags={**tags, **({} if one else {RANGE_START_TAG: group[0], RANGE_END_TAG: group[-1]})},
                 raise_on_error=False,
                 run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
             )
-            ran.extend(f"hidden_states[{k}]" for k in group)
+            ran.extend(f"{asset}[{k}]" for k in group)
             check_stopped(result)
             if not result.success:
                 bad = {e.partition for e in result.get_asset_check_evaluations() if not e.passed}
-                lost = [k for k in group if k in bad or not planner.materialized_by(Unit("hidden_states", k), result.run_id)]
-                log(f"!! hidden_states[{group[0]}{'..' + group[-1] if not one else ''}] failed for {lost} "
+                lost = [k for k in group if k in bad or not planner.materialized_by(Unit(asset, k), result.run_id)]
+                log(f"!! {asset}[{group[0]}{'..' + group[-1] if not one else ''}] failed for {lost} "
                     f"(run {result.run_id}); its log is in the UI (`eagle3 ui`)")
                 failed += lost
         return failed
 
-    if not step("prompts_job", [Unit("prompts")]):
-        return False
-    keys = instance.get_dynamic_partitions(shards.name)
-    unknown = sorted(selection.shards - set(keys))
-    if unknown:  # a typo must not select nothing and report "up to date"
-        raise ValueError(f"--select: no shard {', '.join(unknown)}; the shards are {', '.join(keys) or 'none yet'}")
-    failed = [k for k in keys if not step("shard_job", [Unit("generations", k)])]
-    # The top-k teacher's files hold log-probabilities over the draft vocabulary: the vocab map
-    # (built from every shard's generations) comes before the extraction.
-    if settings.extraction.teacher == "topk" and not failed and not step("drafter_job", [Unit("vocab_map")]):
-        return False
-    failed += extract(keys, [k for k in keys if k not in failed])
+    # The graph's order, each job's consecutive assets one step: what is not partitioned runs
+    # once, and waits for every shard before it; a partitioned asset runs per shard (a run each),
+    # or per contiguous range of shards when it runs ranges in one run (its backfill policy).
+    # A failed shard is named and the other shards go on; nothing that reads every shard runs.
+    stages: list[tuple[str, list[str]]] = []
+    for name in order:
+        partitioned = graph.get(AssetKey(name)).partitions_def is not None
+        if stages and stages[-1][0] == job_of[name] and not partitioned \
+                and graph.get(AssetKey(stages[-1][1][-1])).partitions_def is None:
+            stages[-1][1].append(name)
+        else:
+            stages.append((job_of[name], [name]))
+    keys: list[str] | None = None
+    failed: list[str] = []
+    ok = True
+    for i, (job, names) in enumerate(stages):
+        node = graph.get(AssetKey(names[0]))
+        if node.partitions_def is None:
+            if failed:  # it reads every shard: not until they are all done
+                continue
+            ok = step(job, [Unit(a) for a in names])
+            if not ok and i < len(stages) - 1:
+                return False
+            continue
+        if keys is None:
+            keys = instance.get_dynamic_partitions(node.partitions_def.name)
+            unknown = sorted(selection.shards - set(keys))
+            if unknown:  # a typo must not select nothing and report "up to date"
+                raise ValueError(f"--select: no shard {', '.join(unknown)}; the shards are {', '.join(keys) or 'none yet'}")
+        ready = [k for k in keys if k not in failed]
+        single_run = node.backfill_policy is not None and node.backfill_policy.max_partitions_per_run is None
+        if single_run:
+            failed += extract(job, names[0], keys, ready)
+        else:
+            failed += [k for k in ready if not step(job, [Unit(names[0], k)])]
     if failed:
         log(f"shards failed: {failed}; rerun them with `eagle3 run` (finished samples are kept) or from the UI")
         return False
-    ok = step("drafter_job", [Unit(a) for a in JOBS["drafter_job"]])
     if skipped:
         log(f"up to date, skipped: {', '.join(skipped)}")
     if not ran:

@@ -29,7 +29,7 @@ from .core.self_prompts import SelfPromptsConfig
 from .core.target import EMBEDDED_MODEL, EMBEDDED_MODELS, EMBEDDED_PREFIX
 from .core.train import TrainConfig
 from .core.vocab import VocabConfig
-from .launcher_settings import LauncherSettings
+from .launchers import LauncherSettings
 
 DEMO_SETTINGS = Path(__file__).parent / "defaults" / "demo.yaml"
 GPU_SETTINGS = Path(__file__).parent / "defaults" / "gpu.yaml"

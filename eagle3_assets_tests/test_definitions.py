@@ -48,3 +48,33 @@ def test_assets_are_grouped_and_kinded_so_the_graph_reads_at_a_glance():
     kinds = {k.to_user_string(): graph.get(k).kinds for k in graph.get_all_asset_keys()}
     assert kinds["hidden_states"] == {"pytorch", "safetensors"} and kinds["prompts"] == {"parquet"}
     assert all(kinds.values())
+
+
+def test_the_graph_order_and_the_jobs_are_read_from_the_assets_deps():
+    from eagle3_assets.definitions import asset_jobs, graph_order
+
+    defs = build_definitions(load_settings())
+    assert graph_order(defs) == ASSETS  # the shards' work first, then what reads every shard
+    jobs = asset_jobs(defs)
+    assert jobs == {"prompts": "prompts_job", "generations": "shard_job", "hidden_states": "extraction_job",
+                    "vocab_map": "drafter_job", "drafter": "drafter_job", "drafter_eval": "drafter_job"}
+    base = Settings()
+    topk = build_definitions(base.model_copy(update={"extraction": dataclasses.replace(base.extraction, teacher="topk")}))
+    # the top-k teacher's files are over the draft vocabulary: the vocab map comes before the extraction
+    assert graph_order(topk) == ["prompts", "generations", "vocab_map", "hidden_states", "drafter", "drafter_eval"]
+    assert asset_jobs(topk) == jobs
+
+
+def test_importing_the_code_location_reads_no_settings(tmp_path):
+    """The settings are an argument (`build_definitions(settings)`); `defs` reads the file only when
+    Dagster loads the location, so an import names no file and fails on none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "EAGLE3_SETTINGS": str(tmp_path / "missing.yaml"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-c", "import eagle3_assets.definitions as d; assert not hasattr(d, 'SETTINGS')"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]

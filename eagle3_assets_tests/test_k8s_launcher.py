@@ -25,7 +25,7 @@ from eagle3_assets import launchers
 from eagle3_assets.core.config import from_json
 from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob, ExtractShards
 from eagle3_assets.core.train import TrainConfig, TrainJob
-from eagle3_assets.launcher_settings import KubernetesSettings, LauncherSettings
+from eagle3_assets.launchers import KubernetesSettings, LauncherSettings
 from eagle3_assets.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +77,8 @@ def validate(obj: dict) -> None:
 def test_local_launcher_is_the_default_and_runs_torchrun_for_several_processes():
     assert isinstance(launchers.launcher_from_settings(Settings().launcher), launchers.LocalLauncher)
     job = extract(nproc=2)
-    assert launchers.LocalLauncher.command(job)[-4:] == [
-        "--standalone", "--nproc-per-node=2", "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
+    assert launchers.LocalLauncher.command(job)[-5:] == [
+        "--standalone", "--nnodes=1", "--nproc-per-node=2", "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     assert launchers.LocalLauncher.command(train(nproc=1))[1:] == ["-m", "eagle3_assets.entrypoints.train_drafter"]
     # the parameters round-trip through JSON into the job's own config classes
     assert from_json(ExtractJob, job.params_json) == job.params

@@ -5,12 +5,12 @@ partition: its own materialization and metadata, its own check, its own failure.
 import polars as pl
 import pytest
 from dagster import AssetKey, DagsterInstance, RetryPolicy, materialize
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from eagle3_assets.assets import hidden_states
 from eagle3_assets.cli import history
 from eagle3_assets.core.layout import Layout
 from eagle3_assets.core.report import shard_history
+from eagle3_assets.dagster_compat import RANGE_END_TAG, RANGE_START_TAG
 from eagle3_assets.entrypoints.extract_hidden_states import LOAD_DELAY_ENV
 from eagle3_assets.launchers import LocalLauncher
 from eagle3_assets.pipeline import _ranges
@@ -34,7 +34,7 @@ def run_four_shards(tiny_target, tmp_path, bad: str | None = None):
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("shards", SHARDS)
     result = materialize([hidden_states.build(settings)], instance=instance, raise_on_error=False,
-                         tags={ASSET_PARTITION_RANGE_START_TAG: SHARDS[0], ASSET_PARTITION_RANGE_END_TAG: SHARDS[-1]},
+                         tags={RANGE_START_TAG: SHARDS[0], RANGE_END_TAG: SHARDS[-1]},
                          resources={"launcher": LocalLauncher(env={LOAD_DELAY_ENV: str(LOAD_S)})})
     return instance, result
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from ..core.evaluate import EvalJob, evaluate
 from ..core.export import verifier_name
@@ -16,10 +16,12 @@ from ..core.report import comparison_markdown, drafter_rows, manifests_summary, 
 from ..core.target import describe_target, pick_device, resolve_target
 from ..partitions import shards
 from ..policies import GPU_POOL
+from ..records import latest_metadata, materializations, values
 from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "3"
+JOB = "drafter_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "eval")
 
 
@@ -94,14 +96,7 @@ def build(settings: Settings):
 
 
 def _latest_metadata(context: AssetExecutionContext, key: str, partition: str | None = None) -> dict:
-    if partition is None:
-        event = context.instance.get_latest_materialization_event(AssetKey(key))
-        meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
-    else:
-        res = context.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=AssetKey(key), asset_partitions=[partition]), limit=1)
-        meta = res.records[0].asset_materialization.metadata if res.records else {}
-    return {k: getattr(v, "value", v) for k, v in meta.items()}
+    return latest_metadata(context.instance, key, partition)
 
 
 def _record(context: AssetExecutionContext, settings: Settings, keys: set[str], shards_now: list[tuple],
@@ -139,13 +134,5 @@ def _record(context: AssetExecutionContext, settings: Settings, keys: set[str], 
 
 def _records(instance, asset: str) -> list[dict]:
     """Every materialization of `asset` as a plain dict ({asset, timestamp, run_id, metadata})."""
-    out, cursor = [], None
-    while True:
-        res = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(asset)), limit=1000, cursor=cursor)
-        for r in res.records:
-            out.append({"asset": asset, "run_id": r.run_id,
-                        "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
-                        "metadata": {k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}})
-        if not res.has_more:
-            return out
-        cursor = res.cursor
+    return [{"asset": asset, "run_id": r.run_id, "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+             "metadata": values(r.asset_materialization.metadata)} for r in materializations(instance, asset)]

@@ -4,17 +4,19 @@ import hashlib
 import json
 
 import polars as pl
-from dagster import AssetExecutionContext, AssetRecordsFilter, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from ..core.engines import generate
 from ..core.shards import shard_range
 from ..core.target import resolve_target
 from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
+from ..records import latest_metadata
 from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
+JOB = "shard_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "generation")
 SETTINGS_USED_ALL_TURNS = ("max_prompt_tokens",)  # the budget of every later turn's prompt
 
@@ -49,7 +51,7 @@ def build(settings: Settings):
         rows_sha256 = hashlib.sha256(json.dumps(rows.select(*columns).rows()).encode()).hexdigest()
         # The prompt table changed (e.g. prompts were appended) but not this shard's rows, and the
         # code and settings are the same: the answers on disk are the ones we would compute.
-        previous = _latest_metadata(context)
+        previous = latest_metadata(context.instance, context.asset_key, context.partition_key)
         if (previous.get("rows_sha256") == rows_sha256 and previous.get("code_version") == code_version
                 and out.is_file() and FORCE_TAG not in context.run.tags):
             context.log.info(f"shard {context.partition_key}: its prompt rows are unchanged; keeping {out}")
@@ -83,10 +85,3 @@ def build(settings: Settings):
 
     return generations
 
-
-def _latest_metadata(context: AssetExecutionContext) -> dict:
-    flt = AssetRecordsFilter(asset_key=context.asset_key, asset_partitions=[context.partition_key])
-    records = context.instance.fetch_materializations(flt, limit=1).records
-    if not records:
-        return {}
-    return {k: getattr(v, "value", v) for k, v in records[0].asset_materialization.metadata.items()}

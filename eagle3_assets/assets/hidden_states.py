@@ -7,9 +7,10 @@ One run may carry several shards (a UI backfill, or `eagle3 run`, launches one r
 range of shards: `BackfillPolicy.single_run()`), and they share one model load: a big target
 loads once, not once per shard. Each shard stays its own partition: its own materialization
 and metadata, its own `shard_complete` check, and its own failure — a shard that fails leaves
-the others materialized, and the run fails naming it. A failed shard is retried once inside
-the run (`GPU_RETRY`'s count and delay; a step retry would redo and re-report every shard),
-resuming from its valid files. The job reports each shard as a Pipes custom message; a run
+the others materialized, and the run fails naming it. A failed shard is retried by Dagster's
+step retry (`RETRY`, the GPU assets' `RetryPolicy`): the retry extracts only the shards the run
+has not materialized yet, resuming from their valid files. A stop on purpose, or a failure no
+retry helps (no generations, a failed check), is `Failure(allow_retries=False)`. The job reports each shard as a Pipes custom message; a run
 where every shard succeeded returns one output with per-shard metadata, and one where some
 failed logs the others' materializations as events (with the data-version tags Dagster would
 have given them) before it fails.
@@ -18,7 +19,6 @@ With `extraction.teacher: topk` the files hold top-k log-probabilities over the 
 vocabulary, so the asset depends on `vocab_map` too (the lineage shows it).
 """
 
-import time
 from pathlib import Path
 
 from dagster import (
@@ -28,8 +28,9 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetMaterialization,
-    AssetRecordsFilter,
     BackfillPolicy,
+    DagsterEventType,
+    Failure,
     MaterializeResult,
     MetadataValue,
     Output,
@@ -41,17 +42,20 @@ from ..checks import SHARD_CHECK, shard_complete
 from ..core import stopping
 from ..core.extract_job import ExtractJob, ExtractShards
 from ..core.target import resolve_target
+from ..dagster_compat import DATA_VERSION_TAG, version_tags
 from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
+from ..records import latest
 from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
+JOB = "extraction_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")
 SHARD_LABEL = "eagle3.dev/shard"
 KEY = AssetKey("hidden_states")
-# Each failed shard is retried inside the run (a step retry would redo and re-report them all).
+# A failed shard is retried by a step retry of the run, which extracts only the shards not yet materialized.
 RETRY = GPU_RETRY
 
 
@@ -87,33 +91,33 @@ def build(settings: Settings):
                                     description="Files = rows, manifest present, no temporaries, bytes as predicted, "
                                                 "spot-checked files finite.")],
         pool=GPU_POOL,
+        retry_policy=RETRY,
         code_version=version,
         description="Per-sample safetensors (input_ids, loss_mask, aux_hidden_states, and last_hidden_state or the "
                     "top-k teacher; bf16 or fp8) + manifest.",
     )
     def hidden_states(context: AssetExecutionContext, launcher: ResourceParam[Launcher]):
         keys = context.partition_keys
-        results: dict[str, dict] = {}
-        for attempt in range(1 + RETRY.max_retries):
-            pending = [s for s in keys if "metadata" not in results.get(s, {}) and not results.get(s, {}).get("final")]
-            if not pending or (attempt and stopping.requested()):  # a stop on purpose is not retried
-                break
-            if attempt:
-                context.log.warning(f"retrying {len(pending)} failed shard(s) in {RETRY.delay} s: {pending}")
-                time.sleep(RETRY.delay)
-            # --force redoes the files on the first attempt; a retry resumes from what it wrote
-            results.update(extract(context, launcher, pending, redo=not attempt and FORCE_TAG in context.run.tags))
+        # A step retry (`RETRY`) re-extracts only the shards this run has not materialized yet,
+        # resuming from their valid files; --force redoes the files on the first attempt only.
+        done_before = _materialized_in_run(context, keys) if context.retry_number else set()
+        pending = [s for s in keys if s not in done_before]
+        if done_before:
+            context.log.warning(f"retry {context.retry_number}: extracting the {len(pending)} shard(s) not yet "
+                                f"materialized: {pending}")
+        results = extract(context, launcher, pending, redo=not context.retry_number and FORCE_TAG in context.run.tags)
 
-        done, failed = {}, []
-        for shard in keys:
+        done, failed, retriable = {}, [], False
+        for shard in pending:
             result = results.get(shard, {"error": "the extraction job ended without reporting this shard"})
             if "error" in result:
                 context.log.error(f"shard {shard} failed: {result['error']}")
                 failed.append(f"{shard}: {result['error']}")
+                retriable = retriable or not result.get("final")
             else:
                 m = result["metadata"]
                 done[shard] = {**m, "path": MetadataValue.path(m["path"]), "aux_layer_ids": MetadataValue.json(m["aux_layer_ids"])}
-        if failed:  # Dagster's output would mark every shard of the run materialized: report the good ones alone
+        if failed or done_before:  # Dagster's output would mark every shard of the run materialized: report these alone
             for shard, metadata in done.items():
                 context.log_event(AssetMaterialization(asset_key=KEY, partition=shard, metadata=metadata,
                                                        tags=_version_tags(context, shard, version, upstream)))
@@ -126,11 +130,14 @@ def build(settings: Settings):
             context.log_event(AssetCheckEvaluation(asset_key=KEY, check_name=SHARD_CHECK, passed=passed, partition=shard,
                                                    description=description, metadata=check_metadata, blocking=True))
             if not passed:  # blocking: the run fails, so nothing downstream reads a damaged shard
-                failed.append(f"{shard}: check {SHARD_CHECK} failed: {description}")
+                failed.append(f"{shard}: check {SHARD_CHECK} failed: {description}")  # materialized: a retry skips it
         yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(check_key))
         if failed:
-            raise ShardsFailed(f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
-                               "failed ones, finished sample files are kept): " + " | ".join(failed))
+            message = (f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
+                       "failed ones, finished sample files are kept): " + " | ".join(failed))
+            if stopping.requested() or not retriable:  # a stop on purpose, or failures no retry can help
+                raise Failure(message, allow_retries=False) from ShardsFailed(message)
+            raise ShardsFailed(message)
 
     def extract(context: AssetExecutionContext, launcher: Launcher, keys: list[str], redo: bool) -> dict[str, dict]:
         """One job over `keys`, one model load: each shard's message, `{"metadata"}` or `{"error"}`."""
@@ -170,24 +177,20 @@ def build(settings: Settings):
     return hidden_states
 
 
+def _materialized_in_run(context: AssetExecutionContext, keys: list[str]) -> set[str]:
+    """The shards an earlier attempt of this run materialized (a step retry skips them)."""
+    events = context.instance.all_logs(context.run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+    return {e.dagster_event.partition for e in events if e.dagster_event.asset_key == KEY} & set(keys)
+
+
 def _version_tags(context: AssetExecutionContext, shard: str, code_version: str, upstream: list[str]) -> dict[str, str]:
     """The data-version tags Dagster gives an asset's own output, per shard: the code version,
     the version of each input it read (generations[shard], and the vocab map for the top-k
     teacher) and the logical version of them all."""
-    from dagster._core.definitions.data_version import (
-        CODE_VERSION_TAG, DATA_VERSION_TAG, DEFAULT_DATA_VERSION, DataVersion, compute_logical_data_version,
-        get_input_data_version_tag, get_input_event_pointer_tag,
-    )
-
-    tags, versions = {CODE_VERSION_TAG: code_version}, {}
+    inputs = {}
     for name in upstream:
         key = AssetKey(name)
-        partitions = [shard] if name == "generations" else None  # the vocab map is not partitioned
-        records = context.instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=key, asset_partitions=partitions), limit=1).records
-        recorded = (records[0].asset_materialization.tags or {}).get(DATA_VERSION_TAG) if records else None
-        versions[key] = DataVersion(recorded) if recorded else DEFAULT_DATA_VERSION
-        tags[get_input_data_version_tag(key)] = versions[key].value
-        tags[get_input_event_pointer_tag(key)] = str(records[0].storage_id) if records else "NULL"
-    tags[DATA_VERSION_TAG] = compute_logical_data_version(code_version, versions).value
-    return tags
+        record = latest(context.instance, key, shard if name == "generations" else None)  # the vocab map is not partitioned
+        inputs[key] = ((record.asset_materialization.tags or {}).get(DATA_VERSION_TAG), record.storage_id) \
+            if record is not None else (None, None)
+    return version_tags(code_version, inputs)

@@ -18,6 +18,7 @@ from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "2"  # 2: later turns, source column, mixtures, decontamination
+JOB = "prompts_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "prompts_source", "max_prompts", "max_prompt_tokens", "shard_size", "decontaminate",
                  "eval.prompt_sets", "generation.turns")
 # what shapes the requests of generator:self (only then: other runs keep their versions)

@@ -11,6 +11,7 @@ from ..resources import layout
 from ..settings import Settings
 
 CODE_VERSION = "1"
+JOB = "drafter_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "vocab")
 
 
