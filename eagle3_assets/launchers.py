@@ -1,8 +1,8 @@
 """Where the GPU jobs run: one Dagster resource, `launcher`, that the GPU assets take.
 
-Both GPU jobs (hidden-state extraction per shard, drafter training) are a `GpuJob`: a Pipes
-entry module, its parameters (a config dataclass, sent as JSON in $EAGLE3_JOB_PARAMS) and a
-process count. A `Launcher` (a `ConfigurableResource`) runs it through a Dagster Pipes client
+Every GPU job (generation and hidden-state extraction per shard, drafter training, its
+evaluation) is a `GpuJob`: a Pipes entry module, its parameters (a config dataclass, sent as
+JSON in $EAGLE3_JOB_PARAMS) and a process count. A `Launcher` (a `ConfigurableResource`) runs it through a Dagster Pipes client
 and returns the client's invocation, whose materialization the asset returns:
 
 - `LocalLauncher` (`launcher.kind: local`, the default): a subprocess on this machine
@@ -56,10 +56,13 @@ JOB_LABEL = "eagle3.dev/job"
 
 @dataclasses.dataclass(frozen=True)
 class GpuJob:
-    name: str  # "extract-hidden-states", "train-drafter": the container's name and the job label
+    name: str  # "generate-answers", "extract-hidden-states", ...: the container's name and the job label
     module: str  # the Pipes entry point, run as `python -m module`
-    params: Any  # a config dataclass (ExtractShards, TrainJob), sent as JSON in $EAGLE3_JOB_PARAMS
+    params: Any  # a core dataclass (GenerateJob, ExtractShards, TrainJob, EvalJob), as JSON in $EAGLE3_JOB_PARAMS
     nproc: int = 1  # processes, one per GPU; torchrun when > 1
+    # GPUs of a one-process job (generation: vLLM spreads a tensor-parallel target itself; eval):
+    # the pod gets these and runs one process. None: one process per GPU of the pod.
+    gpus: int | None = None
     labels: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"eagle3.dev/shard": key}
 
     @property
@@ -204,7 +207,12 @@ class KubernetesLauncher(Launcher):
         return self.client().run(context=context, **self.launch_spec(job))
 
     def gpus(self, job: GpuJob) -> int:
+        if job.gpus is not None:  # a one-process job: `gpus_per_pod` would leave GPUs idle
+            return job.gpus
         return self.settings.gpus_per_pod or job.nproc
+
+    def processes(self, job: GpuJob) -> int:
+        return job.nproc if job.gpus is not None else self.gpus(job)
 
     def launch_spec(self, job: GpuJob) -> dict[str, Any]:
         """Keyword arguments of `PipesK8sClient.run` (besides `context`) for one job."""
@@ -227,7 +235,7 @@ class KubernetesLauncher(Launcher):
 
     def pod_command(self, job: GpuJob) -> list[str]:
         """One process per GPU under torchrun (plain python for one GPU), the image's own."""
-        return job_command(job.module, self.gpus(job), ["python"], ["torchrun"])
+        return job_command(job.module, self.processes(job), ["python"], ["torchrun"])
 
     def pod_spec(self, job: GpuJob) -> dict[str, Any]:
         """The job's pod spec (Kubernetes PodSpec, camelCase)."""

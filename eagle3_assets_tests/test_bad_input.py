@@ -133,7 +133,8 @@ def test_shard_rows_beyond_the_prompts(store, tiny_target, tmp_path):
     instance = DagsterInstance.ephemeral()
     assert materialize([prompts.build(settings)], instance=instance).success
     instance.add_dynamic_partitions("shards", ["rows_00002-00004"])
-    r = materialize([generations.build(settings)], partition_key="rows_00002-00004", instance=instance, raise_on_error=False)
+    r = materialize([generations.build(settings)], partition_key="rows_00002-00004", instance=instance, raise_on_error=False,
+                    resources={"launcher": LocalLauncher()})
     message = r.get_step_failure_events()[0].event_specific_data.error.cause.message
     assert "shard rows_00002-00004 expects rows 2..3 but prompts has 0 of them; materialize `prompts` again" in message
 

@@ -1,4 +1,4 @@
-"""The launchers of the GPU jobs (extraction and training), and the infra files that go with them.
+"""The launchers of the GPU jobs (generation, extraction, training, eval), and the infra files that go with them.
 
 No cluster here: the pod the launcher builds is passed through dagster-k8s's own
 `build_pod_body` (what `PipesK8sClient.run` sends to the API server) and validated against the
@@ -9,6 +9,7 @@ Helm values are checked for what they claim against the key names of the officia
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -23,7 +24,10 @@ from pydantic import ValidationError
 
 from eagle3_assets import launchers
 from eagle3_assets.core.config import from_json
+from eagle3_assets.core.engines import GenerateJob
+from eagle3_assets.core.evaluate import EvalConfig, EvalJob
 from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob, ExtractShards
+from eagle3_assets.core.generate import GenerationConfig
 from eagle3_assets.core.train import TrainConfig, TrainJob
 from eagle3_assets.launchers import KubernetesSettings, LauncherSettings
 from eagle3_assets.settings import Settings
@@ -57,6 +61,27 @@ def train(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
     return launchers.GpuJob("train-drafter", "eagle3_assets.entrypoints.train_drafter", job, nproc=nproc)
 
 
+def generate(root: str = "/data", tensor_parallel_size: int | None = None) -> launchers.GpuJob:
+    """As the `generations` asset builds it: one process, on the GPUs vLLM spreads the target over."""
+    config = GenerationConfig(engine="vllm", tensor_parallel_size=tensor_parallel_size) if tensor_parallel_size \
+        else GenerationConfig()
+    job = GenerateJob(prompts_path=f"{root}/eagle3/prompts/prompts.parquet", row_start=0, row_end=2000,
+                      out_path=f"{root}/eagle3/generations/{SHARD}.parquet", model_dir=f"{root}/models/m",
+                      config=config, max_prompt_tokens=2048)
+    return launchers.GpuJob("generate-answers", "eagle3_assets.entrypoints.generate_answers", job,
+                            gpus=tensor_parallel_size or 1, labels={"eagle3.dev/shard": SHARD})
+
+
+def evaluate(root: str = "/data") -> launchers.GpuJob:
+    job = EvalJob(f"{root}/models/m", f"{root}/eagle3/drafter", EvalConfig(num_prompts=8),
+                  result_path=f"{root}/eagle3/drafter_eval/eval.json")
+    return launchers.GpuJob("evaluate-drafter", "eagle3_assets.entrypoints.evaluate_drafter", job, gpus=1)
+
+
+STAGES = [generate, extract, train, evaluate]
+STAGE_IDS = ["generation", "extraction", "training", "eval"]
+
+
 def pod_as_sent(spec_kwargs: dict) -> dict:
     """The pod `PipesK8sClient.run` creates from these kwargs (Pipes bootstrap env included), as JSON."""
     pod = build_pod_body(
@@ -83,6 +108,17 @@ def test_local_launcher_is_the_default_and_runs_torchrun_for_several_processes()
     # the parameters round-trip through JSON into the job's own config classes
     assert from_json(ExtractJob, job.params_json) == job.params
     assert from_json(TrainJob, train().params_json) == train().params
+    # one-process jobs stay one process locally whatever their GPUs
+    assert launchers.LocalLauncher.command(generate(tensor_parallel_size=4))[1:] == [
+        "-m", "eagle3_assets.entrypoints.generate_answers"]
+
+
+@pytest.mark.parametrize("make_job", STAGES, ids=STAGE_IDS)
+def test_every_stage_names_an_entry_module_that_exists_and_takes_its_params(make_job):
+    job = make_job()
+    spec = importlib.util.find_spec(job.module)
+    assert spec is not None and spec.origin.endswith(job.module.rsplit(".", 1)[1] + ".py")
+    assert from_json(type(job.params), job.params_json) == job.params
 
 
 def test_kubernetes_launcher_is_chosen_from_the_settings():
@@ -92,14 +128,14 @@ def test_kubernetes_launcher_is_chosen_from_the_settings():
     client = launcher.client()
     assert isinstance(client, PipesK8sClient)
     assert client.poll_interval == 3.0 and client.kube_context == "gpu-cluster"
-    for job in (extract(), train()):
+    for job in (make() for make in STAGES):
         spec = launcher.launch_spec(job)
         # every key is a parameter of the installed PipesK8sClient.run
         inspect.signature(PipesK8sClient.run).bind(client, context=None, **spec)
         assert spec["image"] == "eagle3-assets:latest" and spec["pod_wait_timeout"] == 24 * 3600
 
 
-@pytest.mark.parametrize("make_job", [extract, train], ids=["extraction", "training"])
+@pytest.mark.parametrize("make_job", STAGES, ids=STAGE_IDS)
 def test_pod_spec_validates_against_the_kubernetes_schema(make_job):
     launcher = k8s_launcher(
         image="registry.example.com/eagle3-assets:0.1.0",
@@ -114,13 +150,18 @@ def test_pod_spec_validates_against_the_kubernetes_schema(make_job):
     validate(pod)
     c = pod["spec"]["containers"][0]
     assert c["name"] == job.name
-    assert c["command"] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", job.module]
+    # extraction and training: torchrun over the node's GPUs; generation and eval: one process on the GPUs they name
+    gpus = "8" if job.gpus is None else "1"
+    if job.gpus is None:
+        assert c["command"] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", job.module]
+    else:
+        assert c["command"] == ["python", "-m", job.module]
     env = [e["name"] for e in c["env"]]
     assert len(env) == len(set(env))  # the client appends its Pipes env; nothing is set twice
     assert {"EAGLE3_JOB_PARAMS", "DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES", "HF_HUB_OFFLINE"} <= set(env)
     sent = next(e["value"] for e in c["env"] if e["name"] == "EAGLE3_JOB_PARAMS")
     assert from_json(type(job.params), sent) == job.params
-    assert c["resources"]["limits"] == {"cpu": "96", "memory": "1024Gi", "nvidia.com/gpu": "8"}
+    assert c["resources"]["limits"] == {"cpu": "96", "memory": "1024Gi", "nvidia.com/gpu": gpus}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
@@ -138,6 +179,18 @@ def test_one_gpu_pod_runs_python_and_gpu_count_follows_the_settings():
     c = spec["containers"][0]
     assert c["command"] == ["python", "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "volumes" not in spec
+
+
+def test_one_process_jobs_get_their_own_gpu_count_not_the_pods():
+    """`gpus_per_pod` is the torchrun jobs' width; generation and eval run one process (vLLM
+    spreads a tensor-parallel target over its GPUs itself), so their pods ask for what they use."""
+    launcher = k8s_launcher(gpus_per_pod=8)
+    for job, gpus in ((generate(), "1"), (generate(tensor_parallel_size=4), "4"), (evaluate(), "1")):
+        pod = pod_as_sent(launcher.launch_spec(job))
+        validate(pod)
+        c = pod["spec"]["containers"][0]
+        assert c["command"] == ["python", "-m", job.module]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
 
 
 def test_the_validator_is_a_real_one():
@@ -163,6 +216,12 @@ def test_paths_off_the_shared_volume_are_refused():
         job = train()
         k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, shard_dirs=["/scratch/x"])))
     # Several shards through one model load: every shard's paths are checked.
+    with pytest.raises(ValueError, match="out_path /scratch/g.parquet"):
+        job = generate()
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, out_path="/scratch/g.parquet")))
+    with pytest.raises(ValueError, match="result_path /tmp/eval.json"):
+        job = evaluate()
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, result_path="/tmp/eval.json")))
     job = extract()
     off = dataclasses.replace(job.params, shard_dir="/scratch/eagle3/hidden_states/rows_02000-04000")
     with pytest.raises(ValueError, match="shard_dir /scratch/eagle3/hidden_states/rows_02000-04000"):

@@ -13,6 +13,7 @@ from dagster import DagsterInstance, materialize
 
 from eagle3_assets.assets import generations, prompts
 from eagle3_assets.cli import history
+from eagle3_assets.launchers import LocalLauncher
 from eagle3_assets.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,8 @@ def test_a_partition_runs_against_postgres_and_its_history_reads_back(postgres, 
     assert materialize([prompts.build(settings)], instance=instance).success
     key = instance.get_dynamic_partitions("shards")[1]
     assert key == "rows_00002-00004"
-    assert materialize([generations.build(settings)], partition_key=key, instance=instance).success
+    assert materialize([generations.build(settings)], partition_key=key, instance=instance,
+                       resources={"launcher": LocalLauncher()}).success
 
     fresh = DagsterInstance.from_config(str(home))  # a new connection: the history is in the database
     rows = history(fresh)

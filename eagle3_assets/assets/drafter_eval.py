@@ -1,19 +1,23 @@
 """`drafter_eval`: acceptance length (tau) by real greedy speculative decoding on held-out prompts;
 then the drafter's model card (README.md beside the drafter and each export), from what the run
-recorded."""
+recorded.
+
+The evaluation runs in its own process (a pod on Kubernetes), started by the `launcher` resource
+through Dagster Pipes; it writes its result to `drafter_eval/`, which this asset reads."""
 
 import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ResourceParam, asset
 
-from ..core.evaluate import EvalJob, evaluate
+from ..core.evaluate import EvalJob
 from ..core.export import verifier_name
 from ..core.files import atomic_write_text
 from ..core.model_card import CARD_NAME, model_card
 from ..core.report import comparison_markdown, drafter_rows, manifests_summary, settings_snapshot, snapshot_sha256
-from ..core.target import describe_target, pick_device, resolve_target
+from ..core.target import describe_target, resolve_target
+from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL
 from ..records import latest_metadata, materializations, values
@@ -37,11 +41,12 @@ def build(settings: Settings):
         code_version=f"{CODE_VERSION}-{settings.fingerprint(*SETTINGS_USED)}",
         description="Acceptance length tau of the drafter: the target verifies chains of drafted tokens.",
     )
-    def drafter_eval(context: AssetExecutionContext) -> MaterializeResult:
+    def drafter_eval(context: AssetExecutionContext, launcher: ResourceParam[Launcher]) -> MaterializeResult:
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
-        job = EvalJob(str(model_dir), str(paths.drafter), settings.eval)
-        r = evaluate(job, log=context.log.info)
-        atomic_write_text(json.dumps(r, indent=2), paths.drafter_eval)
+        job = EvalJob(str(model_dir), str(paths.drafter), settings.eval, result_path=str(paths.drafter_eval))
+        gpu_job = GpuJob("evaluate-drafter", "eagle3_assets.entrypoints.evaluate_drafter", job, gpus=1)
+        reported = launcher.run(context, gpu_job).get_materialize_result().metadata
+        r = json.loads(paths.drafter_eval.read_text())  # written by the job
         exports = paths.drafter_exports
         keys = set(context.instance.get_dynamic_partitions(shards.name))
         shards_now = [s for s in manifests_summary(paths.root / "hidden_states") if s[0] in keys]
@@ -77,7 +82,7 @@ def build(settings: Settings):
             "batch_size": r["batch_size"],
             "workers": r["workers"],
             "dtype": r["dtype"],
-            "device": pick_device(settings.eval.device).type,  # `eagle3 plan` times a run from the same kind
+            "device": reported["device"].value,  # `eagle3 plan` times a run from the same kind
             **{k: round(r[k], 2) for k in ("load_s", "acceptance_s", "speedup_s", "check_s", "eval_s")},
             "path": MetadataValue.path(str(paths.drafter_eval)),
             "model_card": MetadataValue.md(card),

@@ -1,14 +1,19 @@
-"""`generations[shard]`: the target's own answers, as token ids + loss mask."""
+"""`generations[shard]`: the target's own answers, as token ids + loss mask.
+
+The generation runs in its own process (a pod on Kubernetes), started by the `launcher` resource
+through Dagster Pipes, like the other GPU stages; this asset checks the rows, skips a shard whose
+rows are unchanged, and adds its own metadata to what the job reports."""
 
 import hashlib
 import json
 
 import polars as pl
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ResourceParam, asset
 
-from ..core.engines import generate
+from ..core.engines import GenerateJob
 from ..core.shards import shard_range
 from ..core.target import resolve_target
+from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
 from ..records import latest_metadata
@@ -19,6 +24,7 @@ CODE_VERSION = "1"
 JOB = "shard_job"  # the code location's job that materializes it (`eagle3 run`, the UI)
 SETTINGS_USED = ("target_model", "generation")
 SETTINGS_USED_ALL_TURNS = ("max_prompt_tokens",)  # the budget of every later turn's prompt
+SHARD_LABEL = "eagle3.dev/shard"
 
 
 def build(settings: Settings):
@@ -38,7 +44,7 @@ def build(settings: Settings):
         code_version=code_version,
         description="The target's conversations per shard (Parquet: row_id, input_ids, loss_mask over its answers).",
     )
-    def generations(context: AssetExecutionContext) -> MaterializeResult:
+    def generations(context: AssetExecutionContext, launcher: ResourceParam[Launcher]) -> MaterializeResult:
         start, end = shard_range(context.partition_key)
         rows = pl.read_parquet(paths.prompts).filter(pl.col("row_id").is_between(start, end, closed="left"))
         if len(rows) != end - start:
@@ -59,23 +65,20 @@ def build(settings: Settings):
                                                "reused": True, "rows_sha256": rows_sha256, "code_version": code_version,
                                                "path": MetadataValue.path(str(out))})
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
-        run = generate(settings.generation, model_dir, rows, out, max_prompt_tokens=settings.max_prompt_tokens,
-                       log=context.log.info)
-        result = run.result
+        job = GenerateJob(prompts_path=str(paths.prompts), row_start=start, row_end=end, out_path=str(out),
+                          model_dir=str(model_dir), config=settings.generation,
+                          max_prompt_tokens=settings.max_prompt_tokens)
+        gen = settings.generation
+        # one process; vLLM spreads a tensor-parallel target over the GPUs itself
+        gpu_job = GpuJob("generate-answers", "eagle3_assets.entrypoints.generate_answers", job,
+                         gpus=gen.tensor_parallel_size if gen.engine == "vllm" else 1,
+                         labels={SHARD_LABEL: context.partition_key})
+        m = launcher.run(context, gpu_job).get_materialize_result().metadata
         return MaterializeResult(
             metadata={
-                "samples": result.samples,  # prompt rows x (1 + samples_per_prompt), less any with no answer
+                "samples": m["samples"],
                 "prompts": len(rows),
-                **result.counts,  # turns asked; turns over the prompt budget; conversations cut by it
-                "tokens": result.tokens,
-                "prompt_tokens": result.prompt_tokens,
-                "answer_tokens": result.answer_tokens,
-                "tokens_per_s": round(result.tokens_per_s, 2),
-                "generate_s": round(result.generate_s, 3),
-                "model_load_s": round(run.model_load_s, 3),
-                "engine": run.engine,
-                "device": run.device,
-                **run.extra_metadata,
+                **{k: v for k, v in m.items() if k != "samples"},
                 "reused": False,
                 "rows_sha256": rows_sha256,
                 "code_version": code_version,

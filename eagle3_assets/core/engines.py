@@ -71,6 +71,27 @@ def generate(
     return EngineRun(result, "transformers", target.load_s, target.device)
 
 
+@dataclass(frozen=True)
+class GenerateJob:
+    """One shard's generation, as the launcher sends it to its process or pod: the prompt rows
+    `row_start <= row_id < row_end` of the prompts Parquet, answered into `out_path`."""
+
+    prompts_path: str
+    row_start: int
+    row_end: int
+    out_path: str
+    model_dir: str
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+    max_prompt_tokens: int | None = None
+
+
+def generate_job(job: GenerateJob, log: Callable[[str], None] = lambda msg: None) -> EngineRun:
+    """`generate` over the job's rows (the entry module `entrypoints.generate_answers` runs it)."""
+    rows = pl.read_parquet(job.prompts_path).filter(pl.col("row_id").is_between(job.row_start, job.row_end, closed="left"))
+    return generate(job.config, Path(job.model_dir), rows, Path(job.out_path), max_prompt_tokens=job.max_prompt_tokens,
+                    log=log)
+
+
 @dataclass
 class LoadedTarget:
     """The target loaded for the native or the transformers engine (`load_engine`)."""

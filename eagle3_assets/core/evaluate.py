@@ -77,6 +77,9 @@ class EvalJob:
     target_model_dir: str
     drafter_dir: str
     config: EvalConfig = field(default_factory=EvalConfig)
+    # where the launched job (`entrypoints.evaluate_drafter`) writes `evaluate`'s result as JSON,
+    # for the `drafter_eval` asset to read (a shared path: the job may run in a pod)
+    result_path: str | None = None
 
 
 @dataclass(frozen=True)
