@@ -45,6 +45,7 @@ def build(settings: Settings):
         model_dir = resolve_target(settings.target_model, settings.model_cache_dir)
         job = EvalJob(str(model_dir), str(paths.drafter), settings.eval, result_path=str(paths.drafter_eval))
         gpu_job = GpuJob("evaluate-drafter", "eagle3_assets.entrypoints.evaluate_drafter", job, gpus=1)
+        paths.drafter_eval.unlink(missing_ok=True)  # what is read back below is this job's result, never an older one
         reported = launcher.run(context, gpu_job).get_materialize_result().metadata
         r = json.loads(paths.drafter_eval.read_text())  # written by the job
         exports = paths.drafter_exports
