@@ -13,6 +13,7 @@ from dagster import AssetSelection, Definitions, define_asset_job, definitions
 
 from . import checks
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
+from .assets.factory import make_asset
 from .resources import resources
 from .settings import Settings, load_settings, settings_path_from_env
 
@@ -51,8 +52,9 @@ def build_definitions(settings: Settings, launcher=None) -> Definitions:
     res = resources(settings)
     if launcher is not None:
         res["launcher"] = launcher
-    assets = [stage.build(settings) for stage in STAGES]
-    job_of = {a.key.to_user_string(): stage.JOB for stage, a in zip(STAGES, assets)}
+    built = [_build(stage, settings) for stage in STAGES]
+    assets = [a for a, _ in built]
+    job_of = {a.key.to_user_string(): job for a, job in built}
     jobs: dict[str, list[str]] = {}
     for name in graph_order(Definitions(assets=assets, resources=res)):
         jobs.setdefault(job_of[name], []).append(name)
@@ -62,6 +64,13 @@ def build_definitions(settings: Settings, launcher=None) -> Definitions:
         jobs=[define_asset_job(name, AssetSelection.assets(*names)) for name, names in jobs.items()],
         resources=res,
     )
+
+
+def _build(stage, settings: Settings):
+    """A stage's asset and its job: from its spec (`assets/factory.py`), or from its own `build`
+    for a stage not yet written as a spec."""
+    spec = getattr(stage, "SPEC", None)
+    return (make_asset(spec, settings), spec.job) if spec is not None else (stage.build(settings), stage.JOB)
 
 
 @definitions
