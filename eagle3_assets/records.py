@@ -4,6 +4,7 @@ and every one of them)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Iterator
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
@@ -38,3 +39,13 @@ def materializations(instance: DagsterInstance, asset: str | AssetKey) -> Iterat
         if not res.has_more:
             return
         cursor = res.cursor
+
+
+def plain_records(instance: DagsterInstance, asset: str, run_id: str | None = None, metadata: dict | None = None) -> list[dict]:
+    """Every materialization of `asset` as a plain dict ({asset, timestamp, run_id, metadata}); with
+    `metadata`, one more, last: the one run `run_id` is about to record (timestamped now)."""
+    out = [{"asset": asset, "run_id": r.run_id, "timestamp": datetime.fromtimestamp(r.timestamp, timezone.utc).isoformat(),
+            "metadata": values(r.asset_materialization.metadata)} for r in materializations(instance, asset)]
+    if metadata is not None:
+        out.append({"asset": asset, "timestamp": datetime.now(timezone.utc).isoformat(), "run_id": run_id, "metadata": metadata})
+    return out

@@ -103,7 +103,7 @@ def test_learning_curve_points_are_observed_live_through_pipes(tiny_target, tmp_
 
     from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, DagsterInstance, asset, materialize
 
-    from eagle3_assets.assets.drafter import observe_learning_curve
+    from eagle3_assets.observe import observe_learning_curve
     from eagle3_assets.launchers import GpuJob, LocalLauncher
 
     params = setup(tiny_target, tmp_path)

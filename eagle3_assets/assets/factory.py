@@ -38,6 +38,9 @@ class StageSpec:
     def deps_for(self, settings: Settings) -> list[str]:
         return list(self.deps(settings) if callable(self.deps) else self.deps)
 
+    def build(self, settings: Settings):
+        return make_asset(self, settings)
+
 
 def make_asset(spec: StageSpec, settings: Settings):
     """The Dagster asset of `spec` with `settings` closed over."""

@@ -11,6 +11,8 @@ transformers `generate` everywhere else; the run log says which and why.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,20 @@ from typing import Callable
 import polars as pl
 
 from .generate import Answer, GenerationConfig, GenerationResult, converse, write_generations
+from .shards import shard_range
+
+
+def shard_prompts(prompts_path: Path, shard: str, all_turns: bool) -> tuple[pl.DataFrame, str]:
+    """The prompt rows of `shard`, and the sha256 of what shapes their answers (the later turns
+    too when every turn is answered): equal hashes, equal answers for the same code and settings.
+    A table without all of the shard's rows is a ValueError."""
+    start, end = shard_range(shard)
+    rows = pl.read_parquet(prompts_path).filter(pl.col("row_id").is_between(start, end, closed="left"))
+    if len(rows) != end - start:
+        raise ValueError(f"shard {shard} expects rows {start}..{end - 1} but prompts has {len(rows)} of them; "
+                         "materialize `prompts` again")
+    columns = ("row_id", "system", "prompt") + (("later_turns",) if all_turns else ())
+    return rows, hashlib.sha256(json.dumps(rows.select(*columns).rows()).encode()).hexdigest()
 
 
 @dataclass

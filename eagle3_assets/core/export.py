@@ -87,6 +87,7 @@ from eagle3_assets.core.drafter import (
     expected_shapes,
     write_checkpoint,
 )
+from eagle3_assets.core.target import load_target_head
 
 Engine = Literal["vllm", "sglang"]
 
@@ -583,3 +584,40 @@ def validate_for_engine(
     if config.get("speculators_model_type") is not None:
         return _validate_speculators(config, checkpoint_dir, engine, extracted_layer_ids, target_num_hidden_layers)
     return _validate_official(config, checkpoint_dir, engine, extracted_layer_ids, target_num_hidden_layers)
+
+
+def shard_aux_layer_ids(shard_dir: Path) -> list[int]:
+    """The layer ids a shard of hidden states was extracted with, from a sample file's metadata."""
+    first = next(shard_dir.glob("*.safetensors"))
+    with safe_open(str(first), framework="pt") as f:
+        return [int(x) for x in f.metadata()["aux_layer_ids"].split(",")]
+
+
+def model_architectures(model_dir: Path) -> list[str]:
+    return list(json.loads((model_dir / "config.json").read_text()).get("architectures") or [])
+
+
+def export_for_engines(
+    checkpoint_dir: Path, out_dirs: dict[str, Path], model_dir: Path, target_model: str, speculative_tokens: int,
+    aux_layer_ids: list[int],
+) -> dict[str, Path]:
+    """The trained drafter, one copy per serving engine (`out_dirs`: vllm, sglang, speculators),
+    each validated as its engine would load it; a copy that would not load raises ValueError.
+
+    Each engine reads the layer ids from a different place and in a different numbering (README,
+    "Layer ids"); the validator checks them against `aux_layer_ids`, those the shards were
+    extracted at."""
+    exports = {e: write_engine_checkpoint(checkpoint_dir, out_dirs[e], e) for e in ("vllm", "sglang")}
+    embed, _, _ = load_target_head(model_dir)
+    # The verifier is what the drafter learned: a GGUF target's (the embedded one's) converted
+    # folder, a user's folder by the path they gave; the architectures come from that folder.
+    exports["speculators"] = export_speculators(
+        checkpoint_dir, out_dirs["speculators"], embed, verifier_name(target_model, model_dir),
+        speculative_tokens=speculative_tokens,
+        verifier_architectures=model_architectures(model_dir),
+    )
+    for engine, path in (("vllm", exports["vllm"]), ("sglang", exports["sglang"]), ("vllm", exports["speculators"])):
+        problems = validate_for_engine(path, engine, extracted_layer_ids=aux_layer_ids)
+        if problems:
+            raise ValueError(f"drafter export {path} would not load correctly in {engine}: {problems}")
+    return exports

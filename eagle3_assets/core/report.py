@@ -8,6 +8,8 @@ from pathlib import Path
 
 import polars as pl
 
+from .layout import Layout
+
 
 def shard_history(rows: list[dict]) -> pl.DataFrame:
     """One row per `hidden_states` materialization: when, which shard, and its measured figures."""
@@ -255,3 +257,69 @@ def comparison_markdown(rows: list[dict]) -> str:
         blocks.append("\n".join([f"**{title}**", "", cells(header), "| " + " | ".join("---" for _ in header) + " |",
                                  *map(cells, body)]))
     return "\n\n".join(blocks)
+
+
+def drafter_record(now: dict, drafter: dict, prompts: dict, shards_now: list[tuple], shard_metadata: list[tuple]) -> dict:
+    """What `eagle3 report` compares drafters by: the settings the drafter was trained with (its
+    own record, `drafter`'s "settings"; the evaluation's from `now`, a `settings_snapshot`), the
+    data behind it (`shards_now` from `manifests_summary`; each shard's latest generation and
+    extraction metadata in `shard_metadata`, as pairs) and its training."""
+    trained = drafter.get("settings") if isinstance(drafter.get("settings"), dict) else None
+    snapshot = {**{k: v for k, v in (trained or now).items() if not k.startswith("eval.")},
+                **{k: v for k, v in now.items() if k.startswith("eval.")}}
+    data_s = 0.0
+    for g, h in shard_metadata:
+        data_s += float(g.get("generate_s") or 0) + float(g.get("model_load_s") or 0)
+        data_s += float(h.get("job_s") or h.get("extract_s") or 0)
+    return {
+        "settings": snapshot,
+        "settings_sha256": snapshot_sha256(snapshot),
+        "settings_from": "drafter" if trained else "current settings (the drafter recorded none)",
+        "samples": sum(s[1] for s in shards_now),
+        "tokens": sum(s[2] for s in shards_now),
+        "bytes_on_disk": sum(s[3] for s in shards_now),
+        "shards": len(shards_now),
+        "sources": [{"source": s["source"], "rows": s["rows"]} for s in prompts.get("sources") or []],
+        "turns": snapshot.get("generation.turns", "first"),
+        "samples_per_prompt": snapshot.get("generation.samples_per_prompt", 0),
+        "storage": snapshot.get("extraction.storage", "bf16"),
+        "teacher": snapshot.get("extraction.teacher", "last_hidden"),
+        "data_s": round(data_s, 1),
+        **{k: drafter[src] for k, src in (("train_s", "train_s"), ("train_steps", "steps"), ("epochs", "epochs"))
+           if src in drafter},
+    }
+
+
+def eval_summary(r: dict, num_draft_tokens: int, device: str, card: str, record: dict, paths: Layout) -> dict:
+    """`drafter_eval`'s metadata as plain values, in the order the UI shows them: the evaluation's
+    result `r` (its eval.json) rounded, the model `card` and the `drafter_record`."""
+    from .model_card import CARD_NAME  # here: model_card imports torch, and `eagle3 report` reads this module
+
+    speed = [f"{k}_b{b}" for b in r.get("speedup_batches", [])
+             for k in ("speedup", "greedy_tok_s", "spec_tok_s", "speedup_prompts")]
+    optional = {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
+                for k in (*speed, "greedy_check_matches", "greedy_check_prompts") if k in r}
+    return {
+        "tau": round(r["tau"], 4),
+        **{f"tau_{name}": round(s["tau"], 4) for name, s in r["sets"].items()},
+        **{f"acceptance_pos_{i}": round(a, 4) for i, a in enumerate(r["per_position_acceptance"])},
+        "per_position_acceptance": [round(a, 4) for a in r["per_position_acceptance"]],
+        "tau_by_category": {name: {c: round(t, 4) for c, t in s["tau_by_category"].items()} for name, s in r["sets"].items()},
+        "prompts_used": r["prompts_used"],
+        "new_tokens": r["new_tokens"],
+        "verify_steps": r["verify_steps"],
+        **optional,
+        "num_draft_tokens": num_draft_tokens,
+        "prompt_sets": list(r["sets"]),
+        "speedup_batches": r.get("speedup_batches", []),
+        "engine": r["engine"],
+        "batch_size": r["batch_size"],
+        "workers": r["workers"],
+        "dtype": r["dtype"],
+        "device": device,  # `eagle3 plan` times a run from the same kind
+        **{k: round(r[k], 2) for k in ("load_s", "acceptance_s", "speedup_s", "check_s", "eval_s")},
+        "path": str(paths.drafter_eval),
+        "model_card": card,
+        **record,
+        "model_card_path": str(paths.drafter / CARD_NAME),
+    }

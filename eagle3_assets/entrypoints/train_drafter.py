@@ -15,7 +15,7 @@ from . import json_value, path, run_job
 
 # A learning-curve point travels as a Pipes log line with this prefix, sent as training logs it:
 # Pipes delivers log lines while the job runs (custom messages only at its end), and the
-# `drafter` asset turns each into an observation at once (assets/drafter.py).
+# `drafter` asset turns each into an observation at once (observe.py).
 CURVE_POINT = "eagle3 learning-curve point: "
 
 
