@@ -270,7 +270,7 @@ def plan_from_settings(settings, history_rows: list[dict], tokens_per_s: float |
     a table to build is built without a tokenizer, each prompt counted at `max_prompt_tokens`."""
     from transformers import AutoConfig
 
-    from .assets.prompts import build_table
+    from .prompt_table import build_table
     from .checks import sample_layout
     from .core import plan
     from .core.evaluate import load_prompt_set

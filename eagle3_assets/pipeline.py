@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
 
-from .assets import prompts as prompts_asset
+from . import prompt_table
 from .core import stopping
 from .dagster_compat import DATA_VERSION_TAG, RANGE_END_TAG, RANGE_START_TAG, stale_causes
 from .core.layout import Layout
@@ -114,7 +114,7 @@ class Planner:
             if damage:
                 return f"damaged: {damage}"
         if unit.asset == "prompts":
-            current = prompts_asset.data_version(self.settings)
+            current = prompt_table.data_version(self.settings)
             if latest.asset_materialization.tags.get(DATA_VERSION_TAG) != current:
                 return "the prompt file or its settings changed"
         causes = stale_causes(self.defs, self.instance, key, unit.partition)
