@@ -5,7 +5,7 @@
 """
 
 import torch
-from dagster import AssetCheckResult, MetadataValue, asset_check
+from dagster import AssetCheckResult, AssetCheckSpec, MetadataValue, asset_check
 from transformers import AutoConfig
 
 from .core.drafter import load_checkpoint
@@ -14,10 +14,16 @@ from .core.sample_files import SampleLayout
 from .core.target import resolve_target
 from .core.verify import verify_shard
 from .core.vocab import load_vocab_map, vocab_map_fingerprint
+from .partitions import shards
+from .policies import OPTED_IN  # noqa: F401 (imported first: it silences the preview warning SHARD_CHECK_SPEC opts into)
 from .resources import layout
 from .settings import Settings
 
 SHARD_CHECK = "shard_complete"
+# declared on `hidden_states`, which evaluates it per shard in its step
+SHARD_CHECK_SPEC = AssetCheckSpec(SHARD_CHECK, asset="hidden_states", partitions_def=shards, blocking=True,
+                                  description="Files = rows, manifest present, no temporaries, bytes as predicted, "
+                                              "spot-checked files finite.")
 
 
 def target_config(settings: Settings):

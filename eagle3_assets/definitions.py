@@ -48,13 +48,12 @@ def build_definitions(settings: Settings, launcher=None) -> Definitions:
 
     Its jobs (what `eagle3 run` launches and the UI offers: the prompt table, one shard's answers,
     the hidden states of one shard or a range of shards, the drafter chain) each hold the assets
-    whose module names it (`JOB`), in graph order."""
+    whose spec names it (`StageSpec.job`), in graph order."""
     res = resources(settings)
     if launcher is not None:
         res["launcher"] = launcher
-    built = [_build(stage, settings) for stage in STAGES]
-    assets = [a for a, _ in built]
-    job_of = {a.key.to_user_string(): job for a, job in built}
+    assets = [make_asset(stage.SPEC, settings) for stage in STAGES]
+    job_of = {stage.SPEC.name: stage.SPEC.job for stage in STAGES}
     jobs: dict[str, list[str]] = {}
     for name in graph_order(Definitions(assets=assets, resources=res)):
         jobs.setdefault(job_of[name], []).append(name)
@@ -64,13 +63,6 @@ def build_definitions(settings: Settings, launcher=None) -> Definitions:
         jobs=[define_asset_job(name, AssetSelection.assets(*names)) for name, names in jobs.items()],
         resources=res,
     )
-
-
-def _build(stage, settings: Settings):
-    """A stage's asset and its job: from its spec (`assets/factory.py`), or from its own `build`
-    for a stage not yet written as a spec."""
-    spec = getattr(stage, "SPEC", None)
-    return (make_asset(spec, settings), spec.job) if spec is not None else (stage.build(settings), stage.JOB)
 
 
 @definitions

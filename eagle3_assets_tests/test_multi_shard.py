@@ -2,6 +2,8 @@
 UI backfill and `eagle3 run` launch) loads the target once, and each shard stays its own
 partition: its own materialization and metadata, its own check, its own failure."""
 
+import dataclasses
+
 import polars as pl
 import pytest
 from dagster import AssetKey, DagsterInstance, RetryPolicy, materialize
@@ -58,7 +60,9 @@ def test_a_four_shard_run_loads_the_model_once_and_reports_each_shard(tiny_targe
 
 
 def test_one_failing_shard_leaves_the_other_three_materialized(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setattr(hidden_states, "RETRY", RetryPolicy(max_retries=1, delay=0))
+    # the GPU retry policy without its pause
+    no_delay = dataclasses.replace(hidden_states.SPEC, retry_policy=RetryPolicy(max_retries=1, delay=0))
+    monkeypatch.setattr(hidden_states, "build", no_delay.build)
     instance, result = run_four_shards(tiny_target, tmp_path, bad=SHARDS[2])
     assert not result.success
     # The failed shard alone was retried, in a second job of the same run; the others ran once.

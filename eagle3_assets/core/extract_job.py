@@ -40,6 +40,7 @@ from .config import STRICT, PositiveFloat, PositiveInt, from_dict, require
 from .distributed import setup
 from .stopping import STOP, Stopped
 from .extract_engine import TopkTeacher, extract_samples, warm_up
+from .layout import Layout
 from .lean_forward import attention_path, lean_supported
 from .files import bytes_on_disk
 from .sample_files import (
@@ -109,6 +110,30 @@ class ExtractJob:
 def extract_layout(cfg: ExtractConfig, hidden_size: int, draft_vocab: str | None = None) -> SampleLayout:
     """The file layout these settings write (`draft_vocab`: the vocab map's fingerprint, topk only)."""
     return SampleLayout(hidden_size, DTYPES[cfg.dtype], cfg.storage, cfg.teacher, cfg.topk, draft_vocab)
+
+
+def shard_jobs(paths: Layout, keys: list[str], target_model: str, model_cache_dir: str | None, config: ExtractConfig,
+               redo: bool) -> tuple[list[ExtractJob], dict[str, dict]]:
+    """The job of each shard of `keys` that has its generations; for each that has none, its error
+    (`"final"`: no retry helps)."""
+    jobs, errors = [], {}
+    for shard in keys:
+        if not paths.generations(shard).is_file():
+            errors[shard] = {"error": f"no generations for shard {shard} at {paths.generations(shard)}; "
+                                      f"materialize generations[{shard}] first", "final": True}
+            continue
+        jobs.append(ExtractJob(generations_path=str(paths.generations(shard)), shard_dir=str(paths.hidden_states(shard)),
+                               model_dir=str(resolve_target(target_model, model_cache_dir)), target_name=target_model,
+                               config=config, vocab_map_path=str(paths.vocab_map) if config.teacher == "topk" else None,
+                               redo=redo))
+    return jobs, errors
+
+
+def layout_version(cfg: ExtractConfig) -> str:
+    """The file layout as a code-version suffix; empty for the default bf16/last_hidden, so files made
+    before the layouts existed stay fresh."""
+    named = (cfg.storage, cfg.teacher) != ("bf16", "last_hidden")
+    return f"-{cfg.storage}-{cfg.teacher}" + (str(cfg.topk) if cfg.teacher == "topk" else "") if named else ""
 
 
 def load_draft_vocab(cfg: ExtractConfig, vocab_map_path: str | None):
