@@ -13,7 +13,7 @@ from dagster import AssetSelection, Definitions, define_asset_job, definitions
 
 from . import checks
 from .assets import drafter, drafter_eval, generations, hidden_states, prompts, vocab_map
-from .assets.factory import make_asset
+from .factory import make_asset
 from .resources import resources
 from .settings import Settings, load_settings, settings_path_from_env
 

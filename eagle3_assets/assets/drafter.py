@@ -17,7 +17,7 @@ from ..observe import observe_learning_curve
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
 from ..settings import Settings
-from .factory import StageSpec, versioned
+from ..factory import StageSpec, versioned
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "vocab", "training")

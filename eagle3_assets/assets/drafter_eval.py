@@ -19,7 +19,7 @@ from ..partitions import shards
 from ..policies import GPU_POOL
 from ..records import latest_metadata, plain_records
 from ..settings import Settings
-from .factory import StageSpec, versioned
+from ..factory import StageSpec, versioned
 
 CODE_VERSION = "3"
 SETTINGS_USED = ("target_model", "eval")

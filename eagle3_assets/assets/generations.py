@@ -13,7 +13,7 @@ from ..partitions import shards
 from ..policies import FORCE_TAG, GPU_POOL, GPU_RETRY
 from ..records import latest_metadata
 from ..settings import Settings
-from .factory import StageSpec
+from ..factory import StageSpec
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "generation")

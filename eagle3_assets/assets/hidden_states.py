@@ -14,7 +14,7 @@ from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
 from ..settings import Settings
-from .factory import StageSpec
+from ..factory import StageSpec
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")

@@ -9,7 +9,7 @@ from ..core.shards import shard_keys
 from ..partitions import shards
 from ..prompt_table import build_table, data_version, self_writer, settings_used, source_key
 from ..settings import Settings
-from .factory import StageSpec
+from ..factory import StageSpec
 
 CODE_VERSION = "2"  # 2: later turns, source column, mixtures, decontamination
 

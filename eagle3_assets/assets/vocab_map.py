@@ -9,7 +9,7 @@ from ..core.target import resolve_target
 from ..core.vocab import build_vocab_map, choose_draft_vocab_size, count_tokens, coverage, save_vocab_map
 from ..partitions import shards
 from ..settings import Settings
-from .factory import StageSpec, versioned
+from ..factory import StageSpec, versioned
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "vocab")

@@ -36,13 +36,13 @@ from dagster import (
     asset,
 )
 
-from ..core import stopping
-from ..dagster_compat import DATA_VERSION_TAG, version_tags
-from ..launchers import Launcher
-from ..policies import FORCE_TAG
-from ..records import latest
-from ..resources import layout
-from ..settings import Settings
+from .core import stopping
+from .dagster_compat import DATA_VERSION_TAG, version_tags
+from .launchers import Launcher
+from .policies import FORCE_TAG
+from .records import latest
+from .resources import layout
+from .settings import Settings
 
 
 def versioned(code_version: str, *settings_used: str) -> Callable[[Settings], str]:
