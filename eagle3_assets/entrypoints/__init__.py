@@ -53,6 +53,18 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
         report(pipes, params, work(params, log, pipes) if stream else work(params, log))
 
 
+def pipes_metadata(metadata: dict) -> dict:
+    """A result's `.metadata()` (plain JSON values) as Pipes metadata: lists and dicts typed as
+    JSON, the `path` key as a path. The one place that knows Pipes' metadata types."""
+    return {k: path(v) if k == "path" else json_value(v) if isinstance(v, (list, dict)) else v
+            for k, v in metadata.items()}
+
+
+def report_metadata(pipes, job, result) -> None:
+    """The usual `report`: the result's `.metadata()` as the asset's materialization."""
+    pipes.report_asset_materialization(metadata=pipes_metadata(result.metadata()))
+
+
 def path(value: str) -> dict:
     return {"raw_value": value, "type": "path"}
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 from ..core.sample_files import DamagedSampleError
-from ..core.train import TrainJob, train_drafter
-from . import json_value, path, run_job
+from ..core.train import TrainJob, TrainResult, run_training
+from . import report_metadata, run_job
 
 # A learning-curve point travels as a Pipes log line with this prefix, sent as training logs it:
 # Pipes delivers log lines while the job runs (custom messages only at its end), and the
@@ -23,39 +23,18 @@ class TrainingPaused(RuntimeError):
     pass
 
 
-def report(pipes, job: TrainJob, m: dict) -> None:
-    if m["paused"]:
+def report(pipes, job: TrainJob, result: TrainResult) -> None:
+    m = result.metrics
+    if result.paused:
         raise TrainingPaused(
             f"training paused after step {m['steps']} of {m['max_steps']} ({m['train_s']:.0f} s trained); its state "
             f"is kept at {job.state_path}: materialize the drafter again (`eagle3 run`) to continue"
         )
-    acc = [round(a, 5) for a in m["step_accuracy"]]
-    pipes.report_asset_materialization(
-        metadata={
-            "steps": m["steps"],
-            "stopped_by": m["stopped"],
-            "epochs": round(m["epochs"], 3),
-            "resumed_from_step": m["resumed_from_step"],
-            "tokens_seen": m["tokens_seen"],
-            "final_loss": round(m["final_loss"], 5),
-            **{f"accuracy_step_{k}": a for k, a in enumerate(acc)},
-            "per_step_accuracy": json_value(acc),
-            "learning_curve": json_value(m["curve"]),
-            "train_s": round(m["train_s"], 2),
-            "preload_s": round(m["preload_s"], 2),
-            "tokens_per_s": round(m["tokens_per_s"], 1),
-            "attention": m["attention"],
-            "snapshots": json_value(m["snapshots"]),
-            "processes": m["processes"],
-            "aux_layer_ids": json_value(list(job.aux_layer_ids)),
-            "device": m["device"],
-            "path": path(job.out_dir),
-        }
-    )
+    report_metadata(pipes, job, result)
 
 
-def work(job: TrainJob, log, pipes) -> dict:
-    """`train_drafter`, its learning-curve points sent live through Pipes. A sample file it cannot
+def work(job: TrainJob, log, pipes) -> TrainResult:
+    """`run_training`, its learning-curve points sent live through Pipes. A sample file it cannot
     read is named and removed, so its shard is missing a file: the next `eagle3 run` notices it
     (sizes against the manifest), re-extracts that file, and trains. Without that, every rerun
     would fail on the same file."""
@@ -63,7 +42,7 @@ def work(job: TrainJob, log, pipes) -> dict:
 
     live = pipes is not None and PipesEnvVarParamsLoader().is_dagster_pipes_process()
     try:
-        return train_drafter(job, log, on_point=(lambda p: pipes.log.info(CURVE_POINT + json.dumps(p))) if live else None)
+        return run_training(job, log, on_point=(lambda p: pipes.log.info(CURVE_POINT + json.dumps(p))) if live else None)
     except DamagedSampleError as e:
         e.path.unlink(missing_ok=True)
         raise RuntimeError(

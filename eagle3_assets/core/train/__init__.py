@@ -49,10 +49,12 @@ from .data import (
 from .job import TrainConfig, TrainJob
 from .loop import (
     StopClock,
+    TrainResult,
     _stop_on_sigterm,
     build_draft_model,
     learning_rate,
     place_draft_model,
+    run_training,
     train_drafter,
     write_due_snapshots,
 )

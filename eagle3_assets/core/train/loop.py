@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -282,6 +283,49 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
         "device": str(device),
         "attention": attention if attention != "flash" or drafter_module._Flash.ok else "math (flash failed)",
     }
+
+
+@dataclass
+class TrainResult:
+    """What a training run returns: `metrics` (`train_drafter`'s dict) for the job `job`."""
+
+    job: TrainJob
+    metrics: dict
+
+    @property
+    def paused(self) -> bool:
+        return self.metrics["paused"]
+
+    def metadata(self) -> dict:
+        """The `drafter` asset's metadata, plain JSON values (lists stay lists)."""
+        m = self.metrics
+        acc = [round(a, 5) for a in m["step_accuracy"]]
+        return {
+            "steps": m["steps"],
+            "stopped_by": m["stopped"],
+            "epochs": round(m["epochs"], 3),
+            "resumed_from_step": m["resumed_from_step"],
+            "tokens_seen": m["tokens_seen"],
+            "final_loss": round(m["final_loss"], 5),
+            **{f"accuracy_step_{k}": a for k, a in enumerate(acc)},
+            "per_step_accuracy": acc,
+            "learning_curve": m["curve"],
+            "train_s": round(m["train_s"], 2),
+            "preload_s": round(m["preload_s"], 2),
+            "tokens_per_s": round(m["tokens_per_s"], 1),
+            "attention": m["attention"],
+            "snapshots": m["snapshots"],
+            "processes": m["processes"],
+            "aux_layer_ids": list(self.job.aux_layer_ids),
+            "device": m["device"],
+            "path": self.job.out_dir,
+        }
+
+
+def run_training(job: TrainJob, log: Callable[[str], None] = print,
+                 on_point: Callable[[dict], None] | None = None) -> TrainResult:
+    """`train_drafter` as a stage: its metrics as a `TrainResult`."""
+    return TrainResult(job, train_drafter(job, log, on_point=on_point))
 
 
 def write_due_snapshots(model, job: TrainJob, progress: Progress, trained_s: float, log) -> None:
