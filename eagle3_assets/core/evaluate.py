@@ -31,6 +31,7 @@ import torch
 
 from .config import STRICT, NonNegativeInt, PositiveInt, require
 from .drafter import DrafterCache, Eagle3Drafter, load_checkpoint
+from .files import atomic_write_text
 from .native_generate import native_supported
 from .spec_decode import SpecDecoder, SpecRow, finish
 from .target import eos_token_ids, load_model, load_tokenizer, pick_device
@@ -404,6 +405,32 @@ def measure_speedup(dec: SpecDecoder, ids: list[list[int]], num_draft_tokens: in
         log(f"eval: batch {b}, {len(sel)} prompts: plain greedy {g:,.0f} tok/s, speculative {s:,.0f} tok/s: "
             f"{speed_text(s / g)}")
     return out
+
+
+@dataclass
+class EvalResult:
+    """What an eval run returns: `result` (`evaluate`'s dict) and the device it ran on."""
+
+    job: EvalJob
+    result: dict
+    device: str
+
+    def metadata(self) -> dict:
+        """The Pipes metadata (plain JSON values); the `drafter_eval` asset reads the rest from the file."""
+        return {
+            "tau": round(self.result["tau"], 4),
+            "device": self.device,  # the job's device, not the Dagster run's
+            **({"path": self.job.result_path} if self.job.result_path else {}),
+        }
+
+
+def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalResult:
+    """`evaluate`, its result written as JSON to `job.result_path` (per-prompt rows: too big for a
+    Pipes message)."""
+    result = evaluate(job, log=log)
+    if job.result_path:
+        atomic_write_text(json.dumps(result, indent=2), Path(job.result_path))
+    return EvalResult(job, result, pick_device(job.config.device).type)
 
 
 def evaluate(job: EvalJob, log: Callable[[str], None] = print) -> dict:
