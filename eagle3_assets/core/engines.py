@@ -45,6 +45,23 @@ class EngineRun:
     device: str
     extra_metadata: dict = field(default_factory=dict)  # engine-specific figures for the asset's metadata
 
+    def metadata(self) -> dict:
+        """The shard's figures as the `generations` asset gets them; the asset adds its own (reuse, hashes)."""
+        result = self.result
+        return {
+            "samples": result.samples,  # prompt rows x (1 + samples_per_prompt), less any with no answer
+            **result.counts,  # turns asked; turns over the prompt budget; conversations cut by it
+            "tokens": result.tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "answer_tokens": result.answer_tokens,
+            "tokens_per_s": round(result.tokens_per_s, 2),
+            "generate_s": round(result.generate_s, 3),
+            "model_load_s": round(self.model_load_s, 3),
+            "engine": self.engine,
+            "device": self.device,
+            **self.extra_metadata,
+        }
+
 
 def generate(
     gen: GenerationConfig,
@@ -101,7 +118,7 @@ class GenerateJob:
     max_prompt_tokens: int | None = None
 
 
-def generate_job(job: GenerateJob, log: Callable[[str], None] = lambda msg: None) -> EngineRun:
+def run_generation(job: GenerateJob, log: Callable[[str], None] = lambda msg: None) -> EngineRun:
     """`generate` over the job's rows (the entry module `entrypoints.generate_answers` runs it)."""
     rows = pl.read_parquet(job.prompts_path).filter(pl.col("row_id").is_between(job.row_start, job.row_end, closed="left"))
     return generate(job.config, Path(job.model_dir), rows, Path(job.out_path), max_prompt_tokens=job.max_prompt_tokens,
