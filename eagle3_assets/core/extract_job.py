@@ -245,8 +245,21 @@ class ExtractShards:
         return cls([from_dict(ExtractJob, j) for j in data["jobs"]] if "jobs" in data else [from_dict(ExtractJob, data)])
 
 
-def run_extraction(job: ExtractJob, log: Callable[[str], None] = print) -> dict | None:
-    """Extract one shard; returns its metadata on rank 0 (None on other ranks), raises its error."""
+@dataclass
+class ShardResult:
+    """One shard's extraction, on rank 0: `.metadata()` is the shard's metadata (plain JSON values)."""
+
+    figures: dict
+
+    def metadata(self) -> dict:
+        return dict(self.figures)
+
+    def __getitem__(self, key: str):
+        return self.figures[key]  # one figure by name, as the callers that read the former dict do
+
+
+def run_extraction(job: ExtractJob, log: Callable[[str], None] = print) -> ShardResult | None:
+    """Extract one shard; returns its result on rank 0 (None on other ranks), raises its error."""
     results: list = []
     extract_shards(ExtractShards([job]), log, lambda job, result: results.append(result))
     if results and isinstance(results[0], BaseException):
@@ -256,7 +269,7 @@ def run_extraction(job: ExtractJob, log: Callable[[str], None] = print) -> dict 
 
 def extract_shards(group: ExtractShards, log: Callable[[str], None], report: Callable[[ExtractJob, object], None]) -> None:
     """Extract every shard of `group` with at most one model load. On rank 0, `report(job, result)`
-    is called once per shard, as it finishes, with its metadata or the exception that failed it;
+    is called once per shard, as it finishes, with its `ShardResult` or the exception that failed it;
     a failed shard does not stop the others. What fails them all (the target cannot be read or
     loaded) raises."""
     target = _Target(group.jobs[0], log)
@@ -378,7 +391,7 @@ def _plan(job: ExtractJob, target: _Target, locks: ExitStack, log) -> _Plan:
                  layout.predict_bytes(sum(len(s[1]) for s in todo), len(todo)))
 
 
-def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str], None]) -> dict | None:
+def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str], None]) -> ShardResult | None:
     """One planned shard on every rank; its metadata on rank 0."""
     cfg, dist, dtype, hidden, aux_ids = job.config, target.dist, target.dtype, target.hidden, target.aux_ids
     shard_dir, todo, resumed = Path(job.shard_dir), plan.todo, plan.resumed
@@ -475,7 +488,7 @@ def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str],
             **share,
             "extract_s": extract_s,
         })
-    return metadata
+    return ShardResult(metadata)
 
 
 def _report_every(progress: DiskProgress, every: float, stop: threading.Event, log) -> None:

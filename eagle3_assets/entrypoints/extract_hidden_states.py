@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..core import extract_job
-from ..core.extract_job import ExtractJob, ExtractShards, extract_shards
+from ..core.extract_job import ExtractJob, ExtractShards, ShardResult, extract_shards
 from . import run_job
 
 # Tests only: seconds of sleep added to each model load, to stand in for a big target's load,
@@ -22,12 +22,12 @@ LOAD_DELAY_ENV = "EAGLE3_TEST_MODEL_LOAD_DELAY_S"
 PACK_DELAY_ENV = "EAGLE3_TEST_PACK_DELAY_S"
 
 
-def shard_result(job: ExtractJob, result) -> dict:
+def shard_result(job: ExtractJob, result: ShardResult | BaseException) -> dict:
     """One shard's custom message: its metadata (plain JSON values) or its error."""
     shard = Path(job.shard_dir).name
     if isinstance(result, BaseException):
         return {"shard": shard, "error": f"{type(result).__name__}: {result}"}
-    return {"shard": shard, "metadata": result}
+    return {"shard": shard, "metadata": result.metadata()}
 
 
 def work(group: ExtractShards, log, pipes) -> None:
