@@ -77,6 +77,25 @@ def test_packed_loss_and_gradients_equal_the_padded_path_in_float32(teacher, fp8
         assert torch.allclose(new[3][name], g, rtol=1e-5, atol=1e-5), (name, (new[3][name] - g).abs().max())
 
 
+def test_the_fused_pointwise_math_traces_whole_and_gives_the_same_loss_and_gradients():
+    """training.compile's elementwise math (RMSNorm, RoPE, the SiLU gate, the TTT diagonal merge
+    and its backward) compiles as one graph each (fullgraph: a break is an error) and gives the
+    eager loss and gradients, in float32 through the aot_eager backend (the trace, no codegen)."""
+    from eagle3_assets.core import drafter
+
+    model, lm_head = sharp_drafter(), torch.randn(TINY_VOCAB, 64)
+    samples = make_samples("last_hidden", False)
+    old = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
+    with drafter.fused_pointwise(True, backend="aot_eager"):
+        assert drafter._ops["diag_merge"] is not drafter.diag_merge
+        new = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
+    assert drafter._ops["diag_merge"] is drafter.diag_merge  # put back after the block
+    assert new[0] == pytest.approx(old[0], rel=1e-5, abs=1e-5)
+    assert torch.equal(new[2], old[2])
+    for name, g in old[3].items():
+        assert torch.allclose(new[3][name], g, rtol=1e-5, atol=1e-5), (name, (new[3][name] - g).abs().max())
+
+
 def test_packed_plan_fills_batches_by_real_tokens():
     import random
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,85 @@ class DrafterConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def diag_merge(q, out_p, lse_p, dks, dvs, scale: float):
+    """The TTT attention's forward merge (`TTTAttention`): the prefix's out_p [N, H, D] and
+    lse_p [N, H] with the diagonal keys/values dks/dvs [N, Hk, D] through log-sum-exp. Returns
+    (out [N, H, D] in q's dtype, lse [N, H], diagonal scores [steps, N, H]), float32 math."""
+    N, H, D = q.shape
+    Hk = dks[0].shape[1]
+    # Query heads grouped by their key-value head, [N, Hk, n_rep, D]: a diagonal key [N, Hk, D]
+    # broadcasts over its group, so no repeated copy of it is made.
+    qg = q.float().reshape(N, Hk, -1, D)
+    scores = torch.stack([(qg * dk.float()[:, :, None]).sum(-1).view(N, H) * scale for dk in dks])
+    lse = torch.logsumexp(torch.cat((lse_p[None], scores)), dim=0)
+    out = (torch.exp(lse_p - lse)[..., None] * out_p.float()).view(N, Hk, -1, D)
+    for i, dv in enumerate(dvs):  # indexed: a compiled trace cannot iterate a tensor of symbolic length
+        out = out + torch.exp(scores[i] - lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
+    return out.view(N, H, D).to(q.dtype), lse, scores
+
+
+def diag_merge_backward(q, dout, out, lse, dq, scores, dks, dvs, scale: float):
+    """The diagonal terms of `TTTAttention`'s backward: dq (the prefix's, [N, H, D]) plus
+    theirs, and each diagonal key's and value's gradient."""
+    N, H, D = q.shape
+    Hk = dks[0].shape[1]
+    qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
+    dq = dq.float().reshape(N, Hk, -1, D)
+    row = (dout_g * out.float().reshape(N, Hk, -1, D)).sum(-1)  # [N, Hk, n_rep]
+    d_dks, d_dvs = [], []
+    for i, (dk_i, dv_i) in enumerate(zip(dks, dvs)):
+        p_i = torch.exp(scores[i] - lse).view(N, Hk, -1)
+        ds = p_i * ((dout_g * dv_i.float()[:, :, None]).sum(-1) - row) * scale
+        dq = dq + ds[..., None] * dk_i.float()[:, :, None]
+        d_dks.append((ds[..., None] * qg).sum(2).to(dk_i.dtype))
+        d_dvs.append((p_i[..., None] * dout_g).sum(2).to(dv_i.dtype))
+    return dq.view(N, H, D).to(q.dtype), d_dks, d_dvs
+
+
+# The layer's elementwise math goes through this table. `fused_pointwise()` (training.compile on
+# CUDA) swaps in torch.compile'd versions: each becomes a kernel or two instead of 5-40 launches
+# over [N, H] float32 tensors (such launches were a third of the CUDA-graphed step's GPU time).
+_POINTWISE = {f.__name__: f for f in (rms_norm, apply_rope, silu_gate, diag_merge, diag_merge_backward)}
+_ops = dict(_POINTWISE)
+_compiled: dict[str, dict] = {}
+
+
+@contextmanager
+def fused_pointwise(enabled: bool = True, backend: str = "inductor"):
+    """Within the block, the drafter's elementwise math runs compiled (`backend`; dynamic
+    shapes, so packed rows of any length share one compilation per diagonal count)."""
+    saved = dict(_ops)
+    if enabled:
+        if backend not in _compiled:
+            _compiled[backend] = {name: torch.compile(f, dynamic=True, fullgraph=True, backend=backend)
+                                  for name, f in _POINTWISE.items()}
+        _ops.update(_compiled[backend])
+    try:
+        yield
+    finally:
+        _ops.update(saved)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -123,15 +203,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return _ops["rms_norm"](x, self.weight, self.eps)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -232,8 +304,7 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = _ops["apply_rope"](q, cos, sin), _ops["apply_rope"](k, cos, sin)
         if diagonal:
             cache.diag_keys.append(k)
             cache.diag_values.append(v)
@@ -431,53 +502,36 @@ class TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, geo: PackedGeometry, scale: float, *diag):
-        N, H, D = q.shape
-        Hk = k.shape[1]
         flash = geo.impl == "flash"
         out_p, raw_lse = (_flash_prefix_forward if flash else _math_prefix_forward)(q, k, v, geo, scale)
         flash = geo.impl == "flash"  # still: the op ran (else it fell back to the math path)
         lse_p = (_flash_lse_unpadded(raw_lse, geo) if flash else raw_lse).transpose(0, 1)  # [N, H]
         steps = len(diag) // 2
         dks, dvs = diag[:steps], diag[steps:]
-        # Query heads grouped by their key-value head, [N, Hk, n_rep, D]: a diagonal key [N, Hk,
-        # D] broadcasts over its group, so no repeated copy of it is made.
-        qg = q.float().reshape(N, Hk, -1, D)
-        diag_scores = [(qg * dk.float()[:, :, None]).sum(-1).view(N, H) * scale for dk in dks]  # [N, H] each
-        lse = torch.logsumexp(torch.stack([lse_p, *diag_scores]), dim=0) if steps else lse_p
-        out = (torch.exp(lse_p - lse)[..., None] * out_p.float()).view(N, Hk, -1, D)
-        for s_i, dv in zip(diag_scores, dvs):
-            out = out + torch.exp(s_i - lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
-        out = out.view(N, H, D).to(q.dtype)
+        if steps:
+            out, lse, diag_scores = _ops["diag_merge"](q, out_p, lse_p, list(dks), list(dvs), scale)
+        else:
+            out, lse, diag_scores = out_p, lse_p, lse_p.new_empty(0)
         merged_lse = lse.transpose(0, 1).contiguous()
         if flash:
             merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
-        ctx.save_for_backward(q, k, v, out, merged_lse, lse, *diag_scores, *diag)
+        ctx.save_for_backward(q, k, v, out, merged_lse, lse, diag_scores, *diag)
         ctx.geo, ctx.scale, ctx.steps, ctx.flash = geo, scale, steps, flash
+        ctx.merge_backward = _ops["diag_merge_backward"]  # compiled or not, as the forward ran
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, merged_lse, lse, *rest = ctx.saved_tensors
+        q, k, v, out, merged_lse, lse, diag_scores, *diag = ctx.saved_tensors
         steps, scale, geo = ctx.steps, ctx.scale, ctx.geo
-        diag_scores, dks, dvs = rest[:steps], rest[steps : 2 * steps], rest[2 * steps :]
-        N, H, D = q.shape
-        Hk = k.shape[1]
         dout = dout.to(q.dtype)
         prefix_backward = _flash_prefix_backward if ctx.flash else _math_prefix_backward
         dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None
-        qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
-        dq = dq.float().reshape(N, Hk, -1, D)
-        row = (dout_g * out.float().reshape(N, Hk, -1, D)).sum(-1)  # [N, Hk, n_rep]
-        d_dks, d_dvs = [], []
-        for s_i, dk_i, dv_i in zip(diag_scores, dks, dvs):
-            p_i = torch.exp(s_i - lse).view(N, Hk, -1)
-            ds = p_i * ((dout_g * dv_i.float()[:, :, None]).sum(-1) - row) * scale
-            dq = dq + ds[..., None] * dk_i.float()[:, :, None]
-            d_dks.append((ds[..., None] * qg).sum(2).to(dk_i.dtype))
-            d_dvs.append((p_i[..., None] * dout_g).sum(2).to(dv_i.dtype))
-        return dq.view(N, H, D).to(q.dtype), dk, dv, None, None, *d_dks, *d_dvs
+        dq, d_dks, d_dvs = ctx.merge_backward(q, dout, out, lse, dq, diag_scores, list(diag[:steps]),
+                                                       list(diag[steps:]), scale)
+        return dq, dk, dv, None, None, *d_dks, *d_dvs
 
 
 class Eagle3MLP(nn.Module):
@@ -489,6 +543,8 @@ class Eagle3MLP(nn.Module):
         self.act_fn = getattr(F, config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_fn is F.silu:
+            return self.down_proj(_ops["silu_gate"](self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 

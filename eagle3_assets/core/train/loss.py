@@ -113,6 +113,21 @@ class PackedTeacher:
         self.lse = None if logits is None else _logsumexp_rows(logits)
         self.rows = in_draft.shape[0]
 
+    def chunk(self, rows: torch.Tensor | int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The teacher's rows for the loss's rows a..b: `rows` is each loss row's teacher row
+        (`rows_of(rows[a:b])`), or an int shift s, loss row t reading teacher row t + s: a slice of
+        the logits, no gather (rows past the end are zeros: they must carry no loss weight)."""
+        if isinstance(rows, torch.Tensor):
+            return self.rows_of(rows[a:b])
+        if self.logits is None:
+            raise ValueError("a shifted teacher chunk needs the teacher's logits (the top-k teacher gathers its rows)")
+        end = min(b + rows, self.rows)
+        t, lse_t = self.logits[a + rows : end], self.lse[a + rows : end]
+        if end - a - rows < b - a:  # the row's last loss rows: their teacher rows lie past its end
+            short = b - a - (end - a - rows)
+            t, lse_t = torch.cat((t, t.new_zeros(short, t.shape[1]))), torch.cat((lse_t, lse_t.new_zeros(short)))
+        return t, lse_t
+
     def rows_of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rows `index` as (logits, their log-sum-exp), or (float32 probabilities, None)
         for the top-k teacher."""
@@ -194,44 +209,43 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
     of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole
     (-sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1). Row t is fitted to
-    the teacher's row teacher_rows[t]. Backward recomputes each chunk's logits: dz = (softmax(z) - p)
-    * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden. Also returns,
-    without gradient, each row's argmax z (for accuracy)."""
+    the teacher's row teacher_rows[t] (or t + teacher_rows, an int: `PackedTeacher.chunk`).
+    The gradients are made in the forward, while each chunk's logits exist: dz = (softmax(z) -
+    p) * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden; the backward
+    only scales them by the loss's incoming gradient. That is three matmuls per chunk where a
+    backward that recomputes the logits needs four, and the logits are read by two fused
+    passes, not four. Also returns, without gradient, each row's argmax z (for accuracy)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, teacher_rows, chunk: int, compiled: bool):
-        fwd_logits, fwd_probs, _, _ = _ce_functions(compiled)
+        fwd_logits, fwd_probs, grad_logits, grad_probs = _ce_functions(compiled)
         N = hidden.shape[0]
+        grads = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(N, dtype=torch.int64, device=hidden.device)
+        d_hidden = torch.empty_like(hidden) if grads else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             z = hidden[a:b] @ weight.T
-            t, lse_t = teacher.rows_of(teacher_rows[a:b])
-            lse[a:b], pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
-            loss = loss + (row_weights[a:b] * (lse[a:b] - pz)).sum()
-        ctx.save_for_backward(hidden, weight, row_weights, lse, teacher_rows)
-        ctx.teacher, ctx.chunk, ctx.compiled = teacher, chunk, compiled
+            t, lse_t = teacher.chunk(teacher_rows, a, b)
+            lse, pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
+            w = row_weights[a:b]
+            loss = loss + (w * (lse - pz)).sum()
+            if grads:
+                dz = grad_logits(z, lse, t, lse_t, w) if lse_t is not None else grad_probs(z, lse, t, w)
+                d_hidden[a:b] = dz @ weight
+                d_weight += (dz.T @ hidden[a:b]).float()
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
-        _, _, grad_logits, grad_probs = _ce_functions(ctx.compiled)
-        hidden, weight, row_weights, lse, teacher_rows = ctx.saved_tensors
-        N = hidden.shape[0]
-        d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for a in range(0, N, ctx.chunk):
-            b = min(a + ctx.chunk, N)
-            z = hidden[a:b] @ weight.T
-            t, lse_t = ctx.teacher.rows_of(teacher_rows[a:b])
-            w = row_weights[a:b] * grad_loss
-            dz = grad_logits(z, lse[a:b], t, lse_t, w) if lse_t is not None else grad_probs(z, lse[a:b], t, w)
-            d_hidden[a:b] = dz @ weight
-            d_weight += (dz.T @ hidden[a:b]).float()
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None
+        d_hidden, d_weight = ctx.saved_tensors
+        return ((d_hidden.float() * grad_loss).to(d_hidden.dtype), (d_weight * grad_loss).to(ctx.weight_dtype),
+                None, None, None, None, None)
 
 
 def packed_ttt_loss(
@@ -277,8 +291,10 @@ def packed_ttt_loss(
         include = included[k] if all_rows else included[k].index_select(0, rows)
         teacher_rows = (rows + s).clamp(max=N - 1)  # rows past the end are not included
         hidden_rows = model.norm(hidden if all_rows else hidden.index_select(0, rows)).to(compute_dtype)
+        # Every row through the head (the static step): the teacher's rows are a shifted slice.
+        shifted = s if all_rows and teacher.logits is not None else teacher_rows
         loss, argmax = ChunkedSoftCrossEntropy.apply(hidden_rows, weight, include.float() / count.clamp(min=1),
-                                                     teacher, teacher_rows, chunk_tokens, compiled)
+                                                     teacher, shifted, chunk_tokens, compiled)
         total = total + loss_decay**k * loss
         losses.append(loss.detach())
         agree = argmax == teacher.argmax.index_select(0, teacher_rows)

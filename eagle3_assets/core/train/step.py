@@ -79,7 +79,8 @@ def packed_forward_on_device(model, target_head, t2d, draft_vocab_size: int, bat
     teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size, draft_head=draft_head)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda",
-                        cache_enabled=not static):
+                        cache_enabled=not static), \
+            drafter_module.fused_pointwise(cfg.compile and device.type == "cuda"):
         step_hidden = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps,
                             cu_seqlens=batch["cu_seqlens"], positions=batch["positions"], max_len=max_len,
                             attention=impl)
