@@ -6,6 +6,9 @@
 # The peers' way is skipped (measured already, 2026-12-04), to stay within 6 minutes.
 #
 #   OUT=/some/dir WHEELS=/tmp/dc bash benchmarks/h200_moe.sh
+#
+# MOE_SAMPLES (96): samples per shape; a real shard has 2,000, and with few packs the last
+# pack's writes, which overlap nothing, weigh more in the files-written rate.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -20,7 +23,7 @@ for arch in qwen3_moe deepseek_v3; do
   # forward (48 samples in one 65,536-token pack, as before, leave nothing to overlap: the files
   # rate was the forward plus every write after it).
   timeout "${MOE_S:-155}" python3 benchmarks/extract_throughput.py --arch "$arch" --fp32-slice $extra --skip-durable --skip-peers \
-    --samples 96 --batch-tokens 32768 --writer-threads 8 --out-dir /tmp/xbench_moe --json "$OUT/moe_$arch.json" \
+    --samples "${MOE_SAMPLES:-96}" --batch-tokens 32768 --writer-threads 8 --out-dir /tmp/xbench_moe --json "$OUT/moe_$arch.json" \
     > "$OUT/moe_$arch.log" 2>&1
   stamp "extract_throughput $arch exit $?"
   grep -E "4-layer slice|INT4 variant|MoE experts" "$OUT/moe_$arch.log"
