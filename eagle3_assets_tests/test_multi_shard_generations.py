@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import polars as pl
+
 from dagster import AssetKey, DagsterInstance, RetryPolicy, materialize
 
 from eagle3_assets.assets import generations, prompts
@@ -107,3 +109,31 @@ def test_one_failing_shard_leaves_the_others_of_the_range_materialized(tiny_targ
     # They carry the data-version tags an output's materialization gets.
     tags = [r.asset_materialization.tags for r in records]
     assert all("dagster/data_version" in t and "dagster/input_data_version/prompts" in t for t in tags)
+
+
+def test_generate_shards_loads_once_and_reports_each_shard_or_its_error(tiny_target, tmp_path):
+    from eagle3_assets.core.config import from_json
+    from eagle3_assets.core.engines import EngineRun, GenerateJob, GenerateShards, generate_shards
+    from eagle3_assets.core.generate import GenerationConfig
+
+    prompts_path = tmp_path / "prompts.parquet"
+    pl.DataFrame({"row_id": list(range(6)), "system": [None] * 6, "prompt": [f"q{i}" for i in range(6)]}).write_parquet(
+        prompts_path)
+    gen = GenerationConfig(dtype="float32", device="cpu", batch_size=3, max_new_tokens=3)
+    jobs = [GenerateJob(str(prompts_path), s, s + 2, str(tmp_path / f"rows_{s:05d}-{s + 2:05d}.parquet"), str(tiny_target),
+                        gen) for s in (0, 2, 4)]
+    (tmp_path / jobs[1].out_path).mkdir()  # this shard cannot be written
+    group = GenerateShards(jobs)
+    assert GenerateShards.from_json(json.dumps(dataclasses.asdict(group))) == group == from_json(
+        GenerateShards, json.dumps(dataclasses.asdict(group)))
+    logs, reported = [], []
+    generate_shards(group, logs.append, lambda job, result: reported.append((job.shard, result)))
+    assert sum("loaded in" in line for line in logs) == 1
+    assert [s for s, _ in reported] == ["rows_00000-00002", "rows_00002-00004", "rows_00004-00006"]
+    ok = [r for _, r in reported if isinstance(r, EngineRun)]
+    assert len(ok) == 2 and isinstance(reported[1][1], IsADirectoryError)
+    for run in ok:
+        m = run.metadata()
+        assert m["samples"] == 2 and m["shards_per_load"] == 3 and m["engine"] == "transformers"
+        assert {"tokens", "prompt_tokens", "answer_tokens", "tokens_per_s", "generate_s", "model_load_s"} <= set(m)
+    assert pl.read_parquet(jobs[2].out_path)["row_id"].to_list() == [4, 5]
