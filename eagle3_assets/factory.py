@@ -8,10 +8,10 @@ A stage over several shards at once (`run_shards`: generations, hidden_states) g
 multi-shard mode below: one run over a range of shards (a UI backfill, or `eagle3 run`;
 `BackfillPolicy.single_run()`) shares one model load (`launch_shards`: one launcher job), and
 each shard stays its own partition: its own materialization and metadata, its own blocking
-check where the spec has one (`shard_check_spec`, evaluated by `check_shard`), its own failure. A shard that fails leaves the
-others materialized, and the run fails naming it. Dagster's step retry (the spec's
-`retry_policy`) reruns only the shards the run has not materialized yet. A stop on purpose, or a
-failure no retry helps (`"final"`, a failed check), is `Failure(allow_retries=False)`. A run
+check where the spec has one (`shard_check_spec`, evaluated by `check_shard`), its own failure.
+A shard that fails leaves the others materialized, and the run fails naming it. Dagster's step
+retry (the spec's `retry_policy`) reruns only the shards the run has not materialized yet. A stop
+on purpose, or a failure no retry helps (`"final"`, a failed check), is `Failure(allow_retries=False)`. A run
 where every shard succeeded returns one output with per-shard metadata; one where some failed
 logs the others' materializations as events (with the data-version tags Dagster would have given
 them) before it fails."""
@@ -97,8 +97,9 @@ def make_asset(spec: StageSpec, settings: Settings):
         retry_policy=spec.retry_policy,
         code_version=spec.code_version(settings),
         description=spec.description,
+        # each shard is reported by its own events
         **({"backfill_policy": BackfillPolicy.single_run(), "output_required": False,
-            "check_specs": [spec.shard_check_spec] if spec.shard_check_spec else None} if shards else {}),  # each shard is reported by its own events
+            "check_specs": [spec.shard_check_spec] if spec.shard_check_spec else None} if shards else {}),
     )
     if shards:
         return decorate(_shards_body(spec, settings, paths))
@@ -155,7 +156,8 @@ def _shards_body(spec: StageSpec, settings: Settings, paths):
             if not passed:  # blocking: the run fails, so nothing downstream reads a damaged shard
                 failed.append(f"{shard}: check {check.name} failed: {description}")  # materialized: a retry skips it
         if check:
-            yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(AssetCheckKey(key, check.name)))
+            yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(
+                AssetCheckKey(key, check.name)))
         if failed:
             message = (f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
                        "failed ones): " + " | ".join(failed))
@@ -166,11 +168,13 @@ def _shards_body(spec: StageSpec, settings: Settings, paths):
     return body
 
 
-def launch_shards(context: AssetExecutionContext, launcher: Launcher, job: GpuJob, shards: list[str]) -> dict[str, dict]:
+def launch_shards(context: AssetExecutionContext, launcher: Launcher, job: GpuJob,
+                  shards: list[str]) -> dict[str, dict]:
     """Run `job` over `shards` (a multi-shard job whose entry module sends one custom message per
     shard, `{"shard", "metadata"}` or `{"shard", "error"}`); each shard's message, and an error for
     each shard the job did not report. `job` gets the range as its `SHARD_LABEL`."""
-    job = replace(job, labels={**job.labels, SHARD_LABEL: shards[0] if len(shards) == 1 else f"{shards[0]}..{shards[-1]}"})
+    label = shards[0] if len(shards) == 1 else f"{shards[0]}..{shards[-1]}"
+    job = replace(job, labels={**job.labels, SHARD_LABEL: label})
     try:
         results = {m["shard"]: m for m in launcher.run(context, job).get_custom_messages()}
     except Exception as e:  # the job died (killed, preempted, out of memory): every shard it had not reported

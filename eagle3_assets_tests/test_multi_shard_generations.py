@@ -120,8 +120,8 @@ def test_generate_shards_loads_once_and_reports_each_shard_or_its_error(tiny_tar
     pl.DataFrame({"row_id": list(range(6)), "system": [None] * 6, "prompt": [f"q{i}" for i in range(6)]}).write_parquet(
         prompts_path)
     gen = GenerationConfig(dtype="float32", device="cpu", batch_size=3, max_new_tokens=3)
-    jobs = [GenerateJob(str(prompts_path), s, s + 2, str(tmp_path / f"rows_{s:05d}-{s + 2:05d}.parquet"), str(tiny_target),
-                        gen) for s in (0, 2, 4)]
+    jobs = [GenerateJob(str(prompts_path), s, s + 2, str(tmp_path / f"rows_{s:05d}-{s + 2:05d}.parquet"),
+                        str(tiny_target), gen) for s in (0, 2, 4)]
     (tmp_path / jobs[1].out_path).mkdir()  # this shard cannot be written
     group = GenerateShards(jobs)
     assert GenerateShards.from_json(json.dumps(dataclasses.asdict(group))) == group == from_json(

@@ -56,7 +56,8 @@ def _field_value(hint, value):
     if dataclasses.is_dataclass(hint) and isinstance(value, dict):
         return from_dict(hint, value)
     args = typing.get_args(hint)
-    if typing.get_origin(hint) is list and len(args) == 1 and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
+    if (typing.get_origin(hint) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
+            and isinstance(value, list)):
         return [from_dict(args[0], v) if isinstance(v, dict) else v for v in value]
     return value
 
