@@ -46,8 +46,8 @@ def asset_jobs(defs: Definitions) -> dict[str, str]:
 def build_definitions(settings: Settings, launcher=None) -> Definitions:
     """The code location for `settings`; `launcher` replaces the one the settings choose (tests).
 
-    Its jobs (what `eagle3 run` launches and the UI offers: the prompt table, one shard's answers,
-    the hidden states of one shard or a range of shards, the drafter chain) each hold the assets
+    Its jobs (what `eagle3 run` launches and the UI offers: the prompt table, the answers and the
+    hidden states of one shard or a range of shards, the drafter chain) each hold the assets
     whose spec names it (`StageSpec.job`), in graph order."""
     res = resources(settings)
     if launcher is not None:

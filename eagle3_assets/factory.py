@@ -4,18 +4,19 @@ settings it reads, its job), `make_asset` turns it into the Dagster asset for so
 The stage modules hold only their spec and their body, `materialize(context, settings, paths)`
 (and `launcher` for a GPU stage); what the `@asset` decorators repeated is written once here.
 
-A stage over several shards at once (`run_shards`: hidden_states) gets the multi-shard mode
-below: one run over a range of shards (a UI backfill, or `eagle3 run`; `BackfillPolicy.single_run()`)
-shares one model load, and each shard stays its own partition: its own materialization and
-metadata, its own blocking check (`shard_check`), its own failure. A shard that fails leaves the
-others materialized, and the run fails naming it. Dagster's step retry (the spec's
-`retry_policy`) reruns only the shards the run has not materialized yet. A stop on purpose, or a
-failure no retry helps (`"final"`, a failed check), is `Failure(allow_retries=False)`. A run
+A stage over several shards at once (`run_shards`: generations, hidden_states) gets the
+multi-shard mode below: one run over a range of shards (a UI backfill, or `eagle3 run`;
+`BackfillPolicy.single_run()`) shares one model load (`launch_shards`: one launcher job), and
+each shard stays its own partition: its own materialization and metadata, its own blocking
+check where the spec has one (`shard_check_spec`, evaluated by `check_shard`), its own failure.
+A shard that fails leaves the others materialized, and the run fails naming it. Dagster's step
+retry (the spec's `retry_policy`) reruns only the shards the run has not materialized yet. A stop
+on purpose, or a failure no retry helps (`"final"`, a failed check), is `Failure(allow_retries=False)`. A run
 where every shard succeeded returns one output with per-shard metadata; one where some failed
 logs the others' materializations as events (with the data-version tags Dagster would have given
 them) before it fails."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from dagster import (
@@ -38,11 +39,14 @@ from dagster import (
 
 from .core import stopping
 from .dagster_compat import DATA_VERSION_TAG, version_tags
-from .launchers import Launcher
+from .launchers import GpuJob, Launcher
 from .policies import FORCE_TAG
 from .records import latest
 from .resources import layout
 from .settings import Settings
+
+
+SHARD_LABEL = "eagle3.dev/shard"  # a job's shard, or range of shards, among its labels (a pod's on Kubernetes)
 
 
 def versioned(code_version: str, *settings_used: str) -> Callable[[Settings], str]:
@@ -68,7 +72,7 @@ class StageSpec:
     # The multi-shard mode, instead of `materialize`: (context, settings, paths, launcher, shards,
     # redo) -> for every shard given, {"metadata"} or {"error", "final" (no retry helps)}.
     run_shards: Callable[..., dict[str, dict]] | None = None
-    shard_check: AssetCheckSpec | None = None  # blocking, per shard, evaluated in the step
+    shard_check_spec: AssetCheckSpec | None = None  # blocking, per shard, evaluated in the step by `check_shard`
     check_shard: Callable[[Settings, str], tuple[bool, str, dict]] | None = None  # (passed, description, metadata)
     shard_deps: tuple[str, ...] = ()  # the deps partitioned as this asset (read at the same shard)
 
@@ -93,8 +97,9 @@ def make_asset(spec: StageSpec, settings: Settings):
         retry_policy=spec.retry_policy,
         code_version=spec.code_version(settings),
         description=spec.description,
-        **({"backfill_policy": BackfillPolicy.single_run(), "check_specs": [spec.shard_check],
-            "output_required": False} if shards else {}),  # each shard is reported by its own events
+        # each shard is reported by its own events
+        **({"backfill_policy": BackfillPolicy.single_run(), "output_required": False,
+            "check_specs": [spec.shard_check_spec] if spec.shard_check_spec else None} if shards else {}),
     )
     if shards:
         return decorate(_shards_body(spec, settings, paths))
@@ -112,17 +117,17 @@ class ShardsFailed(RuntimeError):
 
 
 def _shards_body(spec: StageSpec, settings: Settings, paths):
-    key, check = AssetKey(spec.name), spec.shard_check
+    key, check = AssetKey(spec.name), spec.shard_check_spec
     version, upstream = spec.code_version(settings), spec.deps_for(settings)
 
     def body(context: AssetExecutionContext, launcher: ResourceParam[Launcher]):
         keys = context.partition_keys
-        # A step retry re-runs only the shards this run has not materialized yet (the job resumes
-        # from their valid files); --force redoes the files on the first attempt only.
+        # A step retry re-runs only the shards this run has not materialized yet (the job may resume
+        # from what they left); --force redoes the shards on the first attempt only.
         done_before = _materialized_in_run(context, key, keys) if context.retry_number else set()
         pending = [s for s in keys if s not in done_before]
         if done_before:
-            context.log.warning(f"retry {context.retry_number}: extracting the {len(pending)} shard(s) not yet "
+            context.log.warning(f"retry {context.retry_number}: running the {len(pending)} shard(s) not yet "
                                 f"materialized: {pending}")
         redo = not context.retry_number and FORCE_TAG in context.run.tags
         results = spec.run_shards(context, settings, paths, launcher, pending, redo)
@@ -144,21 +149,39 @@ def _shards_body(spec: StageSpec, settings: Settings, paths):
             for shard, metadata in done.items():
                 context.add_asset_metadata(metadata, partition_key=shard)
             yield MaterializeResult()  # one materialization per shard, each with its own metadata
-        for shard in done:
+        for shard in done if check else ():
             passed, description, check_metadata = spec.check_shard(settings, shard)
             context.log_event(AssetCheckEvaluation(asset_key=key, check_name=check.name, passed=passed, partition=shard,
                                                    description=description, metadata=check_metadata, blocking=True))
             if not passed:  # blocking: the run fails, so nothing downstream reads a damaged shard
                 failed.append(f"{shard}: check {check.name} failed: {description}")  # materialized: a retry skips it
-        yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(AssetCheckKey(key, check.name)))
+        if check:
+            yield Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(
+                AssetCheckKey(key, check.name)))
         if failed:
             message = (f"{len(failed)} of {len(keys)} shard(s) failed (the others are materialized; rerun the "
-                       "failed ones, finished sample files are kept): " + " | ".join(failed))
+                       "failed ones): " + " | ".join(failed))
             if stopping.requested() or not retriable:  # a stop on purpose, or failures no retry can help
                 raise Failure(message, allow_retries=False) from ShardsFailed(message)
             raise ShardsFailed(message)
 
     return body
+
+
+def launch_shards(context: AssetExecutionContext, launcher: Launcher, job: GpuJob,
+                  shards: list[str]) -> dict[str, dict]:
+    """Run `job` over `shards` (a multi-shard job whose entry module sends one custom message per
+    shard, `{"shard", "metadata"}` or `{"shard", "error"}`); each shard's message, and an error for
+    each shard the job did not report. `job` gets the range as its `SHARD_LABEL`."""
+    label = shards[0] if len(shards) == 1 else f"{shards[0]}..{shards[-1]}"
+    job = replace(job, labels={**job.labels, SHARD_LABEL: label})
+    try:
+        results = {m["shard"]: m for m in launcher.run(context, job).get_custom_messages()}
+    except Exception as e:  # the job died (killed, preempted, out of memory): every shard it had not reported
+        context.log.error(f"the {job.name} job failed: {e}")
+        results = {s: {"error": f"the {job.name} job failed before this shard was done: {type(e).__name__}: {e}"}
+                   for s in shards}
+    return {s: results.get(s, {"error": f"the {job.name} job ended without reporting this shard"}) for s in shards}
 
 
 def _materialized_in_run(context: AssetExecutionContext, key: AssetKey, keys: list[str]) -> set[str]:

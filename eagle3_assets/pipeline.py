@@ -9,11 +9,11 @@ killed at any moment continues where it stopped: complete shards and sample file
 training continues from its saved state.
 
 Steps run as the code location's jobs (`prompts_job`, `shard_job`, `extraction_job`,
-`drafter_job`) with only the assets that need it selected: the prompts, then each shard's generations (a run each), then
-the hidden states of every shard that needs them in as few runs as possible — one run over each
-contiguous range of such shards, so the target model loads once per range, not once per shard
-(each shard still gets its own materialization, metadata, check and failure) — then the
-drafter chain. After a step, what follows is judged again: a rerun whose output did not change
+`drafter_job`) with only the assets that need it selected: the prompts, then the generations,
+then the hidden states, each of every shard that needs it in as few runs as possible — one run
+over each contiguous range of such shards, so the target model loads once per range, not once
+per shard (each shard still gets its own materialization, metadata, check and failure) — then
+the drafter chain. After a step, what follows is judged again: a rerun whose output did not change
 (same code, same inputs) leaves its downstream fresh.
 
 A shard whose files are missing or resized since its manifest runs again (`shard_damage`). SIGTERM
@@ -251,8 +251,8 @@ def run_pipeline(
     select: list[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> bool:
-    """Materialize what needs it: prompts, then each shard's generations (its own runs), the hidden
-    states of the shards that need them (one run, one model load, per contiguous range), then the
+    """Materialize what needs it: prompts, then the generations and the hidden states of the shards
+    that need them (one run, one model load, per contiguous range each), then the
     vocab map, drafter and its evaluation (with `extraction.teacher: topk` the vocab map comes
     between the generations and the hidden states). A failed shard is named and the others still run; the
     drafter chain waits for every shard."""
@@ -299,8 +299,8 @@ def run_pipeline(
         skipped.extend(str(u) for u in units if str(u) not in ran and str(u) not in skipped)
         return True
 
-    def extract(job: str, asset: str, keys: list[str], ready: list[str]) -> list[str]:
-        """`asset` (one run over a range of shards: the hidden states) of the `ready` shards that
+    def in_ranges(job: str, asset: str, keys: list[str], ready: list[str]) -> list[str]:
+        """`asset` (one run over a range of shards: the generations, the hidden states) of the `ready` shards that
         need it, one run per contiguous range of `keys` (a run's range cannot skip a shard);
         returns the shards that failed."""
         units = [Unit(asset, k) for k in ready if selection.wants(Unit(asset, k))]
@@ -362,7 +362,7 @@ def run_pipeline(
         ready = [k for k in keys if k not in failed]
         single_run = node.backfill_policy is not None and node.backfill_policy.max_partitions_per_run is None
         if single_run:
-            failed += extract(job, names[0], keys, ready)
+            failed += in_ranges(job, names[0], keys, ready)
         else:
             failed += [k for k in ready if not step(job, [Unit(names[0], k)])]
     if failed:

@@ -85,6 +85,9 @@ def test_whole_graph_on_smollm2(tmp_path, monkeypatch):
     gens = {r["partition"]: r["metadata"] for r in by_asset["generations"]}
     hs = {r["partition"]: r["metadata"] for r in by_asset["hidden_states"]}
     assert all(gens[k]["tokens"] == hs[k]["tokens"] for k in keys)
+    # The three shards' answers came from one run, one model load, as their hidden states did.
+    assert len({r["run_id"] for r in by_asset["generations"]}) == 1
+    assert all(gens[k]["shards_per_load"] == 3 and hs[k]["shards_per_load"] == 3 for k in keys)
 
     prompts = by_asset["prompts"][0]["metadata"]
     assert prompts["rows"] == 9 and prompts["shards"] == 3

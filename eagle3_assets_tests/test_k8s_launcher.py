@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from eagle3_assets import launchers
 from eagle3_assets.core.config import from_json
-from eagle3_assets.core.engines import GenerateJob
+from eagle3_assets.core.engines import GenerateJob, GenerateShards
 from eagle3_assets.core.evaluate import EvalConfig, EvalJob
 from eagle3_assets.core.extract_job import ExtractConfig, ExtractJob, ExtractShards
 from eagle3_assets.core.generate import GenerationConfig
@@ -35,6 +35,7 @@ from eagle3_assets.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 K8S_VERSION = "1.33.0"
 SHARD = "rows_00000-02000"
+SHARD2 = "rows_02000-04000"
 
 
 def k8s_launcher(**kubernetes_section) -> launchers.KubernetesLauncher:
@@ -62,14 +63,16 @@ def train(root: str = "/data", nproc: int = 8) -> launchers.GpuJob:
 
 
 def generate(root: str = "/data", tensor_parallel_size: int | None = None) -> launchers.GpuJob:
-    """As the `generations` asset builds it: one process, on the GPUs vLLM spreads the target over."""
+    """As the `generations` asset builds it for a range of two shards: one process, on the GPUs vLLM
+    spreads the target over, labelled with the range."""
     config = GenerationConfig(engine="vllm", tensor_parallel_size=tensor_parallel_size) if tensor_parallel_size \
         else GenerationConfig()
-    job = GenerateJob(prompts_path=f"{root}/eagle3/prompts/prompts.parquet", row_start=0, row_end=2000,
-                      out_path=f"{root}/eagle3/generations/{SHARD}.parquet", model_dir=f"{root}/models/m",
-                      config=config, max_prompt_tokens=2048)
-    return launchers.GpuJob("generate-answers", "eagle3_assets.entrypoints.generate_answers", job,
-                            gpus=tensor_parallel_size or 1, labels={"eagle3.dev/shard": SHARD})
+    jobs = [GenerateJob(prompts_path=f"{root}/eagle3/prompts/prompts.parquet", row_start=start, row_end=start + 2000,
+                        out_path=f"{root}/eagle3/generations/{shard}.parquet", model_dir=f"{root}/models/m",
+                        config=config, max_prompt_tokens=2048)
+            for start, shard in ((0, SHARD), (2000, SHARD2))]
+    return launchers.GpuJob("generate-answers", "eagle3_assets.entrypoints.generate_answers", GenerateShards(jobs),
+                            gpus=tensor_parallel_size or 1, labels={"eagle3.dev/shard": f"{SHARD}..{SHARD2}"})
 
 
 def evaluate(root: str = "/data") -> launchers.GpuJob:
@@ -218,7 +221,9 @@ def test_paths_off_the_shared_volume_are_refused():
     # Several shards through one model load: every shard's paths are checked.
     with pytest.raises(ValueError, match="out_path /scratch/g.parquet"):
         job = generate()
-        k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, out_path="/scratch/g.parquet")))
+        first, second = job.params.jobs
+        off = GenerateShards([first, dataclasses.replace(second, out_path="/scratch/g.parquet")])
+        k8s_launcher().launch_spec(dataclasses.replace(job, params=off))
     with pytest.raises(ValueError, match="result_path /tmp/eval.json"):
         job = evaluate()
         k8s_launcher().launch_spec(dataclasses.replace(job, params=dataclasses.replace(job.params, result_path="/tmp/eval.json")))

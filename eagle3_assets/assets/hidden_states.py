@@ -14,11 +14,10 @@ from ..launchers import GpuJob, Launcher
 from ..partitions import shards
 from ..policies import GPU_POOL, GPU_RETRY
 from ..settings import Settings
-from ..factory import StageSpec
+from ..factory import StageSpec, launch_shards
 
 CODE_VERSION = "1"
 SETTINGS_USED = ("target_model", "extraction.aux_layer_ids", "extraction.dtype")
-SHARD_LABEL = "eagle3.dev/shard"
 
 
 def code_version(settings: Settings) -> str:
@@ -31,17 +30,9 @@ def extract(context: AssetExecutionContext, settings: Settings, paths: Layout, l
     """One job over `keys`, one model load: each shard's `{"metadata"}` or `{"error"}`."""
     jobs, results = shard_jobs(paths, keys, settings.target_model, settings.model_cache_dir, settings.extraction, redo)
     if jobs:
-        names = [Path(j.shard_dir).name for j in jobs]
-        gpu_job = GpuJob("extract-hidden-states", "eagle3_assets.entrypoints.extract_hidden_states", ExtractShards(jobs),
-                         nproc=settings.extraction.nproc,
-                         labels={SHARD_LABEL: names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"})
-        try:
-            results.update({m["shard"]: m for m in launcher.run(context, gpu_job).get_custom_messages()})
-        except Exception as e:  # the job died (killed, preempted, out of memory): every shard it had not reported
-            context.log.error(f"the extraction job failed: {e}")
-            results.update({n: {"error": f"the extraction job failed before this shard was done: {type(e).__name__}: {e}"}
-                            for n in names})
-    results = {s: results.get(s, {"error": "the extraction job ended without reporting this shard"}) for s in keys}
+        results.update(launch_shards(context, launcher, GpuJob(
+            "extract-hidden-states", "eagle3_assets.entrypoints.extract_hidden_states", ExtractShards(jobs),
+            nproc=settings.extraction.nproc), [Path(j.shard_dir).name for j in jobs]))
     return {s: r if "error" in r else {"metadata": {**r["metadata"], "path": MetadataValue.path(r["metadata"]["path"]),
                                                     "aux_layer_ids": MetadataValue.json(r["metadata"]["aux_layer_ids"])}}
             for s, r in results.items()}
@@ -51,8 +42,7 @@ SPEC = StageSpec(
     name="hidden_states", group="features", kinds=("pytorch", "safetensors"), job="extraction_job", partitions=shards,
     deps=lambda settings: ["generations", "vocab_map"] if settings.extraction.teacher == "topk" else ["generations"],
     shard_deps=("generations",), pool=GPU_POOL, retry_policy=GPU_RETRY, launcher=True, code_version=code_version,
-    run_shards=extract, check_shard=shard_complete,
-    shard_check=SHARD_CHECK_SPEC,
+    run_shards=extract, check_shard=shard_complete, shard_check_spec=SHARD_CHECK_SPEC,
     description="Per-sample safetensors (input_ids, loss_mask, aux_hidden_states, and last_hidden_state or the "
                 "top-k teacher; bf16 or fp8) + manifest.")
 build = SPEC.build  # the asset for some settings

@@ -47,8 +47,19 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         if f.name not in data:
             continue
         value, hint = data[f.name], hints[f.name]
-        kwargs[f.name] = from_dict(hint, value) if dataclasses.is_dataclass(hint) and isinstance(value, dict) else value
+        kwargs[f.name] = _field_value(hint, value)
     return cls(**kwargs)
+
+
+def _field_value(hint, value):
+    """A field's value from JSON: a nested config dataclass, or a list of them, rebuilt."""
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return from_dict(hint, value)
+    args = typing.get_args(hint)
+    if (typing.get_origin(hint) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
+            and isinstance(value, list)):
+        return [from_dict(args[0], v) if isinstance(v, dict) else v for v in value]
+    return value
 
 
 def from_json(cls: type[T], text: str) -> T:

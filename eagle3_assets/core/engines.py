@@ -1,8 +1,10 @@
 """Pick the generation engine from the settings: native, transformers or vLLM.
 
 Every engine writes the same generations Parquet (`GENERATION_SCHEMA`) from the same
-templated prompt ids (`template_ids`) and the same EOS ids; this function loads the
-chosen engine, times the load and returns what the `generations` asset reports.
+templated prompt ids (`template_ids`) and the same EOS ids. `load_generator` loads the
+chosen engine once and times the load; `generate_shards` answers a range of shards with it
+(one load for a multi-partition run), reporting each shard's `EngineRun` (what the
+`generations` asset reports) or its error as soon as the shard is done.
 
 `engine: auto` (the default) is the native engine (`native_generate.py`: continuous
 batching, CUDA graph) on CUDA for the models it runs (Llama, Qwen2, Qwen3 dense), and
@@ -20,8 +22,10 @@ from typing import Callable
 
 import polars as pl
 
+from .config import from_dict, require
 from .generate import Answer, GenerationConfig, GenerationResult, converse, write_generations
 from .shards import shard_range
+from .stopping import STOP, Stopped
 
 
 def shard_prompts(prompts_path: Path, shard: str, all_turns: bool) -> tuple[pl.DataFrame, str]:
@@ -37,6 +41,25 @@ def shard_prompts(prompts_path: Path, shard: str, all_turns: bool) -> tuple[pl.D
     return rows, hashlib.sha256(json.dumps(rows.select(*columns).rows()).encode()).hexdigest()
 
 
+def unchanged(previous: dict, rows_sha256: str, code_version: str, out_path: Path) -> bool:
+    """Whether a shard's answers on disk are the ones it would get now: its last materialization's
+    `previous` metadata has the same prompt rows hash and code version (the prompt table may have
+    changed elsewhere, e.g. prompts appended), and its file is there."""
+    return (previous.get("rows_sha256") == rows_sha256 and previous.get("code_version") == code_version
+            and Path(out_path).is_file())
+
+
+def shard_job(prompts_path: Path, shard: str, out_path: Path, target_model: str, model_cache_dir: str | None,
+              config: GenerationConfig, max_prompt_tokens: int | None) -> "GenerateJob":
+    """The job of one shard: its rows of the prompt table, answered by the target into `out_path`."""
+    from .target import resolve_target
+
+    start, end = shard_range(shard)
+    return GenerateJob(prompts_path=str(prompts_path), row_start=start, row_end=end, out_path=str(out_path),
+                       model_dir=str(resolve_target(target_model, model_cache_dir)), config=config,
+                       max_prompt_tokens=max_prompt_tokens)
+
+
 @dataclass
 class EngineRun:
     result: GenerationResult
@@ -44,6 +67,7 @@ class EngineRun:
     model_load_s: float
     device: str
     extra_metadata: dict = field(default_factory=dict)  # engine-specific figures for the asset's metadata
+    shards_per_load: int = 1  # the shards that shared the load (`generate_shards`)
 
     def metadata(self) -> dict:
         """The shard's figures as the `generations` asset gets them; the asset adds its own (reuse, hashes)."""
@@ -56,11 +80,70 @@ class EngineRun:
             "answer_tokens": result.answer_tokens,
             "tokens_per_s": round(result.tokens_per_s, 2),
             "generate_s": round(result.generate_s, 3),
-            "model_load_s": round(self.model_load_s, 3),
+            "model_load_s": round(self.model_load_s / self.shards_per_load, 3),  # this shard's share of the load
+            "model_load_total_s": round(self.model_load_s, 3),
+            "shards_per_load": self.shards_per_load,
             "engine": self.engine,
             "device": self.device,
             **self.extra_metadata,
         }
+
+
+@dataclass
+class Generator:
+    """The engine `gen.engine` names, loaded once (`load_generator`); `answer` runs it over one shard's
+    prompts, so several shards share one load and one engine set-up (vLLM's)."""
+
+    gen: GenerationConfig
+    model_dir: Path
+    engine: str
+    load_s: float
+    device: str
+    target: LoadedTarget | None = None  # native or transformers
+    llm: object = None  # vLLM
+    tokenizer: object = None  # vLLM
+
+    def answer(self, prompts: pl.DataFrame, out_path: Path, *, max_prompt_tokens: int | None = None,
+               log: Callable[[str], None] = lambda msg: None) -> EngineRun:
+        """Answer `prompts`; write the generations Parquet to `out_path`. `max_prompt_tokens` bounds the
+        prompt of every later turn (`generate.converse`). The run's `model_load_s` is the whole load."""
+        gen = self.gen
+        loop = dict(turns=gen.turns, samples_per_prompt=gen.samples_per_prompt, max_prompt_tokens=max_prompt_tokens)
+        if self.engine == "vllm":
+            from .vllm_engine import generate_shard_vllm
+
+            result = generate_shard_vllm(
+                self.model_dir, self.tokenizer, prompts, out_path, max_new_tokens=gen.max_new_tokens,
+                do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
+                tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, llm=self.llm, log=log, **loop,
+            )
+            return EngineRun(result, "vllm", self.load_s, self.device)
+        if self.engine == "native":
+            return _native(gen, self.target, prompts, out_path, log, loop)
+        from .generate import generate_shard
+
+        target = self.target
+        result = generate_shard(
+            target.model, target.tokenizer, prompts, out_path, batch_size=gen.batch_size,
+            max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p,
+            seed=gen.seed, log=log, **loop,
+        )
+        return EngineRun(result, "transformers", target.load_s, target.device)
+
+
+def load_generator(gen: GenerationConfig, model_dir: Path, log: Callable[[str], None] = lambda msg: None) -> Generator:
+    """Load the engine `gen.engine` names (auto: `load_engine`'s choice), timed."""
+    if gen.engine == "vllm":
+        from .target import load_tokenizer
+        from .vllm_engine import load_vllm
+
+        t0 = time.perf_counter()
+        llm = load_vllm(model_dir, tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, seed=gen.seed)
+        tok = load_tokenizer(model_dir)
+        return Generator(gen, model_dir, "vllm", time.perf_counter() - t0,
+                         f"cuda x{gen.tensor_parallel_size} (vLLM tensor parallel)", llm=llm, tokenizer=tok)
+    target = load_engine(gen, model_dir, log)
+    return Generator(gen, model_dir, target.engine, target.load_s, target.device, target=target)
 
 
 def generate(
@@ -74,40 +157,14 @@ def generate(
 ) -> EngineRun:
     """Answer `prompts` with the engine `gen.engine` names; write the generations Parquet to `out_path`.
     `max_prompt_tokens` bounds the prompt of every later turn (`generate.converse`)."""
-    loop = dict(turns=gen.turns, samples_per_prompt=gen.samples_per_prompt, max_prompt_tokens=max_prompt_tokens)
-    from .target import load_tokenizer
-
-    if gen.engine == "vllm":
-        from .vllm_engine import generate_shard_vllm, load_vllm
-
-        t0 = time.perf_counter()
-        llm = load_vllm(model_dir, tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, seed=gen.seed)
-        tok = load_tokenizer(model_dir)
-        load_s = time.perf_counter() - t0
-        result = generate_shard_vllm(
-            model_dir, tok, prompts, out_path, max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
-            temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-            tensor_parallel_size=gen.tensor_parallel_size, dtype=gen.dtype, llm=llm, log=log, **loop,
-        )
-        return EngineRun(result, "vllm", load_s, f"cuda x{gen.tensor_parallel_size} (vLLM tensor parallel)")
-
-    target = load_engine(gen, model_dir, log)
-    if target.engine == "native":
-        return _native(gen, target, prompts, out_path, log, loop)
-
-    from .generate import generate_shard
-
-    result = generate_shard(
-        target.model, target.tokenizer, prompts, out_path, batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, log=log, **loop,
-    )
-    return EngineRun(result, "transformers", target.load_s, target.device)
+    return load_generator(gen, Path(model_dir), log).answer(prompts, out_path, max_prompt_tokens=max_prompt_tokens,
+                                                            log=log)
 
 
 @dataclass(frozen=True)
 class GenerateJob:
-    """One shard's generation, as the launcher sends it to its process or pod: the prompt rows
-    `row_start <= row_id < row_end` of the prompts Parquet, answered into `out_path`."""
+    """One shard's generation: the prompt rows `row_start <= row_id < row_end` of the prompts
+    Parquet, answered into `out_path` (whose stem is the shard's name)."""
 
     prompts_path: str
     row_start: int
@@ -117,12 +174,67 @@ class GenerateJob:
     config: GenerationConfig = field(default_factory=GenerationConfig)
     max_prompt_tokens: int | None = None
 
+    @property
+    def shard(self) -> str:
+        return Path(self.out_path).stem
+
+
+@dataclass(frozen=True)
+class GenerateShards:
+    """Several shards answered by one engine load (a multi-partition run), as the launcher sends
+    them to its process or pod: each shard keeps its own file, metadata and failure; they share
+    the target, the generation config and the prompt budget."""
+
+    jobs: list[GenerateJob]
+
+    def __post_init__(self):
+        require(len(self.jobs) > 0, "GenerateShards needs at least one shard")
+        same = lambda j: (j.model_dir, j.config, j.max_prompt_tokens)  # noqa: E731
+        require(all(same(j) == same(self.jobs[0]) for j in self.jobs),
+                "the shards of one generation must share the target model, the generation config and max_prompt_tokens")
+
+    @classmethod
+    def from_json(cls, text: str) -> "GenerateShards":
+        """From `{"jobs": [...]}`, or one `GenerateJob`'s JSON (a single shard)."""
+        data = json.loads(text)
+        return cls([from_dict(GenerateJob, j) for j in data["jobs"]] if "jobs" in data else [from_dict(GenerateJob, data)])
+
+
+def job_rows(job: GenerateJob) -> pl.DataFrame:
+    return pl.read_parquet(job.prompts_path).filter(pl.col("row_id").is_between(job.row_start, job.row_end, closed="left"))
+
+
+def generate_shards(group: GenerateShards, log: Callable[[str], None],
+                    report: Callable[[GenerateJob, EngineRun | BaseException], None]) -> None:
+    """Answer every shard of `group` with one engine load. `report(job, result)` is called once per
+    shard, as it finishes, with its `EngineRun` (its metadata holds its share of the load) or the
+    exception that failed it; a failed shard does not stop the others, a stop (SIGTERM) stops
+    before the next shard. What fails them all (the target cannot be loaded) raises."""
+    first = group.jobs[0]
+    generator = load_generator(first.config, Path(first.model_dir), log)
+    n = len(group.jobs)
+    log(f"generation engine {generator.engine} on {generator.device} loaded in {generator.load_s:.1f} s, "
+        f"for {n} shard(s)")
+    for job in group.jobs:
+        if STOP.is_set():
+            report(job, Stopped(f"stopped before shard {job.shard} began"))
+            continue
+        try:
+            run = generator.answer(job_rows(job), Path(job.out_path), max_prompt_tokens=job.max_prompt_tokens, log=log)
+        except Exception as e:  # noqa: BLE001 (reported for the shard, with its type and message)
+            report(job, e)
+            continue
+        run.shards_per_load = n
+        report(job, run)
+
 
 def run_generation(job: GenerateJob, log: Callable[[str], None] = lambda msg: None) -> EngineRun:
-    """`generate` over the job's rows (the entry module `entrypoints.generate_answers` runs it)."""
-    rows = pl.read_parquet(job.prompts_path).filter(pl.col("row_id").is_between(job.row_start, job.row_end, closed="left"))
-    return generate(job.config, Path(job.model_dir), rows, Path(job.out_path), max_prompt_tokens=job.max_prompt_tokens,
-                    log=log)
+    """One shard (`generate_shards` of one); raises its error."""
+    results: list = []
+    generate_shards(GenerateShards([job]), log, lambda job, result: results.append(result))
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
 
 
 @dataclass

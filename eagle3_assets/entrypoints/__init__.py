@@ -60,6 +60,14 @@ def pipes_metadata(metadata: dict) -> dict:
             for k, v in metadata.items()}
 
 
+def shard_message(shard: str, result) -> dict:
+    """One shard's custom message, for a job over several shards: `{"shard", "metadata"}` (the
+    result's `.metadata()`, plain JSON values) or `{"shard", "error"}` for the exception that failed it."""
+    if isinstance(result, BaseException):
+        return {"shard": shard, "error": f"{type(result).__name__}: {result}"}
+    return {"shard": shard, "metadata": result.metadata()}
+
+
 def report_metadata(pipes, job, result) -> None:
     """The usual `report`: the result's `.metadata()` as the asset's materialization."""
     pipes.report_asset_materialization(metadata=pipes_metadata(result.metadata()))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..core import extract_job
 from ..core.extract_job import ExtractJob, ExtractShards, ShardResult, extract_shards
-from . import run_job
+from . import run_job, shard_message
 
 # Tests only: seconds of sleep added to each model load, to stand in for a big target's load,
 # and to each packed forward, for a big target's pack.
@@ -24,10 +24,7 @@ PACK_DELAY_ENV = "EAGLE3_TEST_PACK_DELAY_S"
 
 def shard_result(job: ExtractJob, result: ShardResult | BaseException) -> dict:
     """One shard's custom message: its metadata (plain JSON values) or its error."""
-    shard = Path(job.shard_dir).name
-    if isinstance(result, BaseException):
-        return {"shard": shard, "error": f"{type(result).__name__}: {result}"}
-    return {"shard": shard, "metadata": result.metadata()}
+    return shard_message(Path(job.shard_dir).name, result)
 
 
 def work(group: ExtractShards, log, pipes) -> None:
