@@ -47,8 +47,9 @@ class TrainConfig:
     # implementation (right-padded rows, the full score matrix, [B, T, V] logits per step).
     attention: Literal["auto", "flash", "math", "padded"] = "auto"
     loss_chunk_tokens: PositiveInt = 4096  # tokens per chunk of the fused LM head + loss
-    # torch.compile the loss's per-chunk math on CUDA (one fused pass over each chunk's logits);
-    # off: eager kernels, several passes.
+    # torch.compile, on CUDA, the loss's per-chunk math (one fused pass over each chunk's logits)
+    # and the drafter layer's elementwise math (RMSNorm, RoPE, SiLU gate, the TTT attention's
+    # diagonal merge: `drafter.fused_pointwise`); off: eager kernels, several passes.
     compile: bool = False
     # Capture the whole training step (forward, loss, backward, clip, AdamW) in one CUDA graph
     # and replay it per batch: rows padded to exactly batch_tokens, fixed shapes, no host sync.
