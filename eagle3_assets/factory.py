@@ -179,8 +179,10 @@ def launch_shards(context: AssetExecutionContext, launcher: Launcher, job: GpuJo
         results = {m["shard"]: m for m in launcher.run(context, job).get_custom_messages()}
     except Exception as e:  # the job died (killed, preempted, out of memory): every shard it had not reported
         context.log.error(f"the {job.name} job failed: {e}")
-        results = {s: {"error": f"the {job.name} job failed before this shard was done: {type(e).__name__}: {e}"}
-                   for s in shards}
+        # the local launcher keeps the messages sent before the end (`custom_messages`): those shards are done
+        results = {**{s: {"error": f"the {job.name} job failed before this shard was done: {type(e).__name__}: {e}"}
+                      for s in shards},
+                   **{m["shard"]: m for m in getattr(e, "custom_messages", [])}}
     return {s: results.get(s, {"error": f"the {job.name} job ended without reporting this shard"}) for s in shards}
 
 

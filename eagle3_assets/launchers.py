@@ -169,12 +169,18 @@ def _job_client():
                     start_new_session=True, preexec_fn=stopping.parent_death_signal(parent=os.getpid()))
                 with stopping.forwarding(process.pid):
                     process.wait()
-                signal_name = stopping.requested()
-                if signal_name and process.returncode != 0:
-                    raise Failure(f"stopped by {signal_name}: the job saved what it had done and exited "
-                                  f"(code {process.returncode}); `eagle3 run` continues from there", allow_retries=False)
-                if process.returncode != 0:
-                    raise PipesExecutionError(f"External execution process failed with code {process.returncode}")
+            # The session is closed: every message the job sent before it ended has been read.
+            signal_name, code = stopping.requested(), process.returncode
+            error = None
+            if signal_name and code != 0:
+                error = Failure(f"stopped by {signal_name}: the job saved what it had done and exited "
+                                f"(code {code}); `eagle3 run` continues from there", allow_retries=False)
+            elif code != 0:
+                error = PipesExecutionError(f"External execution process failed with code {code}")
+            if error is not None:
+                # What a multi-shard job reported before it died (its finished shards) is kept.
+                error.custom_messages = list(session.get_custom_messages())
+                raise error
             return PipesClientCompletedInvocation(session)
 
     return JobClient()

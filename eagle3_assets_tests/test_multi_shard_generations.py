@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import polars as pl
 
@@ -109,6 +110,49 @@ def test_one_failing_shard_leaves_the_others_of_the_range_materialized(tiny_targ
     # They carry the data-version tags an output's materialization gets.
     tags = [r.asset_materialization.tags for r in records]
     assert all("dagster/data_version" in t and "dagster/input_data_version/prompts" in t for t in tags)
+
+
+# The job process, killed (os._exit: no clean-up, no exit handler) right after it reported its first shard.
+DIE_AFTER_FIRST_SHARD = """
+import os, runpy
+from eagle3_assets.core import engines
+real = engines.generate_shards
+def dying(group, log, report):
+    def report_then_die(job, result):
+        report(job, result)
+        os._exit(9)
+    real(group, log, report_then_die)
+engines.generate_shards = dying
+runpy.run_module("eagle3_assets.entrypoints.generate_answers", run_name="__main__")
+"""
+
+
+class DyingLauncher(CountingLauncher):
+    @staticmethod
+    def command(job):
+        return [sys.executable, "-c", DIE_AFTER_FIRST_SHARD]
+
+
+def test_a_job_killed_after_a_shard_keeps_that_shard(tiny_target, tmp_path):
+    """The job dies (killed, out of memory) after it reported a shard: that shard's answers are kept
+    and materialized, only the others fail, and the retry starts after it."""
+    settings = settings_for(tiny_target, tmp_path)
+    instance = DagsterInstance.ephemeral()
+    assert materialize([prompts.build(settings)], instance=instance).success
+    one_retry = dataclasses.replace(generations.SPEC, retry_policy=RetryPolicy(max_retries=1, delay=0))
+    LAUNCHED.clear()
+    result = materialize([one_retry.build(settings)], instance=instance, raise_on_error=False,
+                         tags={RANGE_START_TAG: SHARDS[0], RANGE_END_TAG: SHARDS[-1]},
+                         resources={"launcher": DyingLauncher()})
+    assert not result.success
+    # Each job answered one shard and died; the retry asked only for the shards not yet done.
+    assert [[s.shard for s in j.params.jobs] for j in LAUNCHED] == [SHARDS, SHARDS[1:]]
+    assert instance.get_materialized_partitions(AssetKey("generations")) == {SHARDS[0], SHARDS[1]}
+    for shard in SHARDS[:2]:
+        assert pl.read_parquet(settings.root / "generations" / f"{shard}.parquet").height == 3
+        assert generation_metadata(instance, shard)["samples"] == 3
+    message = result.get_step_failure_events()[0].event_specific_data.error.cause.message
+    assert "1 of 3 shard(s) failed" in message and "job failed before this shard was done" in message
 
 
 def test_generate_shards_loads_once_and_reports_each_shard_or_its_error(tiny_target, tmp_path):
