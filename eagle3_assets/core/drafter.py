@@ -139,43 +139,61 @@ def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def diag_merge(q, out_p, lse_p, dks, dvs, scale: float):
     """The TTT attention's forward merge (`TTTAttention`): the prefix's out_p [N, H, D] and
-    lse_p [N, H] with the diagonal keys/values dks/dvs [N, Hk, D] through log-sum-exp. Returns
-    (out [N, H, D] in q's dtype, lse [N, H], diagonal scores [steps, N, H]), float32 math."""
+    lse_p [N, H] with the diagonal keys/values dks/dvs [N, Hk, D] through log-sum-exp, one
+    diagonal at a time (`_ops["diag_merge_step"]`: every step has the same shapes, so compiled it
+    is one kernel and one compilation for any count). Returns (out [N, H, D] in q's dtype, lse
+    [N, H], diagonal scores [steps, N, H]), float32 math."""
+    out, lse, scores = out_p.float(), lse_p.float().contiguous(), []
+    for dk, dv in zip(dks, dvs):
+        out, lse, s = _ops["diag_merge_step"](q, out, lse, dk, dv, scale)
+        scores.append(s)
+    return out.to(q.dtype), lse, torch.stack(scores)
+
+
+def diag_merge_step(q, out, lse, dk, dv, scale: float):
+    """One diagonal key/value merged into (out [N, H, D] float32, lse [N, H]): the new pair and the
+    diagonal's score. Query heads are grouped by their key-value head, [N, Hk, n_rep, D]: a
+    diagonal key [N, Hk, D] broadcasts over its group, so no repeated copy of it is made."""
     N, H, D = q.shape
-    Hk = dks[0].shape[1]
-    # Query heads grouped by their key-value head, [N, Hk, n_rep, D]: a diagonal key [N, Hk, D]
-    # broadcasts over its group, so no repeated copy of it is made.
-    qg = q.float().reshape(N, Hk, -1, D)
-    scores = torch.stack([(qg * dk.float()[:, :, None]).sum(-1).view(N, H) * scale for dk in dks])
-    lse = torch.logsumexp(torch.cat((lse_p[None], scores)), dim=0)
-    out = (torch.exp(lse_p - lse)[..., None] * out_p.float()).view(N, Hk, -1, D)
-    for i, dv in enumerate(dvs):  # indexed: a compiled trace cannot iterate a tensor of symbolic length
-        out = out + torch.exp(scores[i] - lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
-    return out.view(N, H, D).to(q.dtype), lse, scores
+    Hk = dk.shape[1]
+    s = (q.float().reshape(N, Hk, -1, D) * dk.float()[:, :, None]).sum(-1).view(N, H) * scale
+    new_lse = torch.logaddexp(lse, s)
+    out = (torch.exp(lse - new_lse)[..., None] * out).view(N, Hk, -1, D) \
+        + torch.exp(s - new_lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
+    return out.view(N, H, D), new_lse, s
 
 
-def diag_merge_backward(q, dout, out, lse, dq, scores, dks, dvs, scale: float):
+def diag_merge_backward(q, dout, out, lse, dq, scores, dks, dvs, scale: float, step=None):
     """The diagonal terms of `TTTAttention`'s backward: dq (the prefix's, [N, H, D]) plus
-    theirs, and each diagonal key's and value's gradient."""
+    theirs, and each diagonal key's and value's gradient, one diagonal at a time (`step`:
+    `diag_merge_backward_step`, compiled when the forward ran so)."""
     N, H, D = q.shape
     Hk = dks[0].shape[1]
-    qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
-    dq = dq.float().reshape(N, Hk, -1, D)
-    row = (dout_g * out.float().reshape(N, Hk, -1, D)).sum(-1)  # [N, Hk, n_rep]
-    d_dks, d_dvs = [], []
+    row = (dout.float() * out.float()).view(N, Hk, -1, D).sum(-1)  # [N, Hk, n_rep]
+    dq, d_dks, d_dvs, step = dq.float().contiguous(), [], [], step or diag_merge_backward_step
     for i, (dk_i, dv_i) in enumerate(zip(dks, dvs)):
-        p_i = torch.exp(scores[i] - lse).view(N, Hk, -1)
-        ds = p_i * ((dout_g * dv_i.float()[:, :, None]).sum(-1) - row) * scale
-        dq = dq + ds[..., None] * dk_i.float()[:, :, None]
-        d_dks.append((ds[..., None] * qg).sum(2).to(dk_i.dtype))
-        d_dvs.append((p_i[..., None] * dout_g).sum(2).to(dv_i.dtype))
-    return dq.view(N, H, D).to(q.dtype), d_dks, d_dvs
+        dq, d_dk, d_dv = step(q, dout, row, lse, dq, scores[i], dk_i, dv_i, scale)
+        d_dks.append(d_dk)
+        d_dvs.append(d_dv)
+    return dq.to(q.dtype), d_dks, d_dvs
+
+
+def diag_merge_backward_step(q, dout, row, lse, dq, s, dk, dv, scale: float):
+    """One diagonal's share of the backward: p = e^(s - lse), ds = p (dout.dv - row) scale; dq
+    (float32) gains ds dk; returns it with the diagonal key's and value's gradients."""
+    N, H, D = q.shape
+    Hk = dk.shape[1]
+    qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
+    p = torch.exp(s - lse).view(N, Hk, -1)
+    ds = p * ((dout_g * dv.float()[:, :, None]).sum(-1) - row) * scale
+    dq = (dq.view(N, Hk, -1, D) + ds[..., None] * dk.float()[:, :, None]).view(N, H, D)
+    return dq, (ds[..., None] * qg).sum(2).to(dk.dtype), (p[..., None] * dout_g).sum(2).to(dv.dtype)
 
 
 # The layer's elementwise math goes through this table. `fused_pointwise()` (training.compile on
 # CUDA) swaps in torch.compile'd versions: each becomes a kernel or two instead of 5-40 launches
 # over [N, H] float32 tensors (such launches were a third of the CUDA-graphed step's GPU time).
-_POINTWISE = {f.__name__: f for f in (rms_norm, apply_rope, silu_gate, diag_merge, diag_merge_backward)}
+_POINTWISE = {f.__name__: f for f in (rms_norm, apply_rope, silu_gate, diag_merge_step, diag_merge_backward_step)}
 _ops = dict(_POINTWISE)
 _compiled: dict[str, dict] = {}
 
@@ -509,7 +527,7 @@ class TTTAttention(torch.autograd.Function):
         steps = len(diag) // 2
         dks, dvs = diag[:steps], diag[steps:]
         if steps:
-            out, lse, diag_scores = _ops["diag_merge"](q, out_p, lse_p, list(dks), list(dvs), scale)
+            out, lse, diag_scores = diag_merge(q, out_p, lse_p, dks, dvs, scale)
         else:
             out, lse, diag_scores = out_p, lse_p, lse_p.new_empty(0)
         merged_lse = lse.transpose(0, 1).contiguous()
@@ -517,7 +535,7 @@ class TTTAttention(torch.autograd.Function):
             merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
         ctx.save_for_backward(q, k, v, out, merged_lse, lse, diag_scores, *diag)
         ctx.geo, ctx.scale, ctx.steps, ctx.flash = geo, scale, steps, flash
-        ctx.merge_backward = _ops["diag_merge_backward"]  # compiled or not, as the forward ran
+        ctx.backward_step = _ops["diag_merge_backward_step"]  # compiled or not, as the forward ran
         return out
 
     @staticmethod
@@ -529,8 +547,8 @@ class TTTAttention(torch.autograd.Function):
         dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None
-        dq, d_dks, d_dvs = ctx.merge_backward(q, dout, out, lse, dq, diag_scores, list(diag[:steps]),
-                                                       list(diag[steps:]), scale)
+        dq, d_dks, d_dvs = diag_merge_backward(q, dout, out, lse, dq, diag_scores, diag[:steps], diag[steps:], scale,
+                                               ctx.backward_step)
         return dq, dk, dv, None, None, *d_dks, *d_dvs
 
 
