@@ -16,7 +16,8 @@
 # time limit continues on the next call with the same variant.
 # Writes to $OUT: plan_<v>.json, eagle3_run_<v>.log, du_<v>.txt, then report.txt (`eagle3 report`)
 # and history.json (`eagle3 history --json`). Limits (s): DATA_S (prompts + generations, 1800),
-# RUN_S (the rest, 1800), PLAN_S (600), REPORT_S (120). On a lent machine with 10-minute calls, run one variant a
+# RUN_S (the rest, 1800), PLAN_S (600), REPORT_S (120). SELECT: the assets of that second run (e.g.
+# hidden_states,vocab_map, so that training starts on the next call and compiles once; default all). On a lent machine with 10-minute calls, run one variant a
 # call with e.g. DATA_S=180 RUN_S=360: what a limit stops continues on the next call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +40,12 @@ for v in "$@"; do
   fits=$(python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(p['fits'], p['total']['bytes'])" "$OUT/plan_$v.json" 2>&1)
   stamp "$v: plan from the generations: fits, bytes = $fits"
   case "$fits" in True*) ;; *) stamp "$v: not run further (see plan_$v.json / plan_$v.err)"; continue ;; esac
-  timeout -s TERM "${RUN_S:-1800}" python3 -m eagle3_assets.cli run --settings "$settings" >> "$OUT/eagle3_run_$v.log" 2>&1
+  timeout -s TERM "${RUN_S:-1800}" python3 -m eagle3_assets.cli run --settings "$settings" ${SELECT:+--select "$SELECT"} \
+    >> "$OUT/eagle3_run_$v.log" 2>&1
   rc=$?; stamp "$v: eagle3 run exit $rc"
   grep -v " - DEBUG - " "$OUT/eagle3_run_$v.log" | tail -12
   du -sb "$root"/* > "$OUT/du_$v.txt" 2>&1
-  if [ $rc -eq 0 ] && [ -z "${KEEP:-}" ]; then rm -rf "$root/hidden_states"; stamp "$v: removed $root/hidden_states"; fi
+  if [ $rc -eq 0 ] && [ -z "${KEEP:-}${SELECT:-}" ]; then rm -rf "$root/hidden_states"; stamp "$v: removed $root/hidden_states"; fi
 done
 
 timeout "${REPORT_S:-120}" python3 -m eagle3_assets.cli report > "$OUT/report.txt" 2>&1; stamp "eagle3 report exit $?"
