@@ -27,6 +27,7 @@ run's figures; `core/generate.py` turns them into the generations Parquet.
 from __future__ import annotations
 
 import hashlib
+import gc
 import math
 import time
 from collections import deque
@@ -263,6 +264,11 @@ def _plan(model, prompts, max_new_tokens, max_slots, fraction, kv_budget_bytes, 
         budget, where = int(kv_budget_bytes), f"kv_budget_bytes {int(kv_budget_bytes):,}"
         fuse = True
     elif kind == "cuda":
+        # An earlier engine's cache (a turn, a shard before this one) is freed but still reserved by
+        # the caching allocator and its graph pool, so the driver does not count it as free: hand it
+        # back first, or every later call gets the 5-7 GiB the first one left (measured, multi-turn).
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         taken = torch.cuda.memory_allocated(device)
         room = min(fraction * total - taken, free - (1 << 30))
