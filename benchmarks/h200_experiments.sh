@@ -17,8 +17,9 @@
 # Writes to $OUT: plan_<v>.json, eagle3_run_<v>.log, du_<v>.txt, then report.txt (`eagle3 report`)
 # and history.json (`eagle3 history --json`). Limits (s): DATA_S (prompts + generations, 1800),
 # RUN_S (the rest, 1800), PLAN_S (600), REPORT_S (120). SELECT: the assets of that second run (e.g.
-# hidden_states,vocab_map, so that training starts on the next call and compiles once; default all). On a lent machine with 10-minute calls, run one variant a
-# call with e.g. DATA_S=180 RUN_S=360: what a limit stops continues on the next call.
+# hidden_states,vocab_map, so that training starts on the next call and compiles once; default all).
+# On a lent machine with 10-minute calls, run one variant a call with e.g. DATA_S=180 RUN_S=360:
+# what a limit stops continues on the next call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
