@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 
-from .core.generate import template_ids
+from .core.generate import chat_messages, template_ids
 from .core.prompts import PROMPTS_SCHEMA, PromptTable, _quota, as_sources, file_sha256, read_prompts, sources_sha256
 from .core.self_prompts import SELF_WRITTEN
 from .core.target import load_tokenizer, resolve_target
@@ -37,6 +37,9 @@ def data_version(settings: Settings, source_sha256: str | None = None) -> str:
     return hashlib.sha256(f"{sha}:{settings.fingerprint(*settings_used(settings))}".encode()).hexdigest()[:16]
 
 
+_TOKEN_BOUND_MARGIN = 8  # tokens a template may add beyond one per byte (a BOS, a prefix piece)
+
+
 def build_table(settings: Settings, log=lambda msg: None, self_writer=None, quick: bool = False):
     """The prompts table these settings make (what the asset writes, and what `eagle3 plan` plans
     from), and a function giving each row's templated prompt length (computed once, here; None
@@ -56,6 +59,12 @@ def build_table(settings: Settings, log=lambda msg: None, self_writer=None, quic
             return lengths[(system, prompt)]
 
         def too_long(system, prompt):
+            # A token covers at least one byte of the templated text (byte-level BPE; SentencePiece
+            # with byte fallback adds at most a prefix piece): a text that short needs no
+            # tokenizing. Three ShareGPT prompts in four are decided so (12.8 s -> 3.5 s here).
+            text = tok.apply_chat_template(chat_messages(system, prompt), add_generation_prompt=True, tokenize=False)
+            if len(text.encode()) + _TOKEN_BOUND_MARGIN <= settings.max_prompt_tokens:
+                return False
             return length(system, prompt) > settings.max_prompt_tokens
 
         if settings.decontaminate:

@@ -110,3 +110,21 @@ def test_not_utf8(tmp_path):
 def test_missing_file():
     with pytest.raises(PromptFileError, match=r"prompt file /no/such.jsonl does not exist"):
         read_prompts("/no/such.jsonl")
+
+
+def test_the_length_filter_drops_exactly_the_prompts_whose_template_is_too_long(tiny_target, tmp_path):
+    """The byte bound that skips tokenizing short texts decides as the token count does, on both sides
+    of the limit (the tiny tokenizer: one token per character)."""
+    from eagle3_assets.core.generate import template_ids
+    from eagle3_assets.core.target import load_tokenizer
+    from eagle3_assets.prompt_table import build_table
+    from eagle3_assets.settings import Settings
+
+    prompts = ["x" * n for n in range(1, 120, 3)] + ["é" * n for n in range(1, 120, 7)]
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts])
+    settings = Settings(target_model=str(tiny_target), prompts_source=str(f), max_prompt_tokens=80,
+                        decontaminate=False, storage_root=str(tmp_path / "data"))
+    table, _ = build_table(settings)
+    tok = load_tokenizer(tiny_target)
+    expected = [p for p in prompts if len(template_ids(tok, None, p)) <= 80]
+    assert table.rows["prompt"].to_list() == expected and 0 < len(expected) < len(prompts)
