@@ -10,7 +10,8 @@
 # reasoning-gym), e_fp8 and e_fp8_topk (d's data in fp8 files, and with the top-k teacher), f (d +
 # requests the target writes itself), a600 and d600 (a and d with 600 s of training). Each has its own
 # storage_root (/tmp/e3x/<variant>); a variant whose run finished deletes its hidden states
-# afterwards (KEEP=1 keeps them) so the next one fits the 64 GB disk; the instance (.eagle3/) keeps every materialization for the report.
+# afterwards (KEEP=1 keeps them) so the next one fits the 64 GB disk; the instance (.eagle3/)
+# keeps every materialization for the report.
 # Per variant: prompts and generations first, then `eagle3 plan` from the real generations (exact
 # bytes; the run stops there if they do not fit), then the rest of the graph. A run stopped by its
 # time limit continues on the next call with the same variant.
