@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19 on one H200, before the preset's run (needs torch and annotated_types only: without the
-# site, carry annotated_types, pure Python, onto PYTHONPATH): the CUDA-graph training step's GPU test, then the training micro-benchmark with a profile of each
-# path (kernel time per step against wall time: is the step waiting on the host?), then the
-# batched eval's CUDA tests. Results in $OUT.
+# site, carry annotated_types, pure Python, onto PYTHONPATH): the CUDA-graph training step's GPU
+# test, then the training micro-benchmark with a profile of each path (kernel time per step against
+# wall time: is the step waiting on the host?), then the batched eval's CUDA tests. Results in $OUT.
 #
 #   OUT=/some/dir bash benchmarks/h200_train_probe.sh
 set -uo pipefail

