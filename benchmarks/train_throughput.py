@@ -21,6 +21,7 @@ warm-up are outside the timing) follows; `--only graph` times that row alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -55,6 +56,9 @@ GPU_SHAPE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536
                  min_len=64, max_len=1024, median_len=230, batch_tokens=16384, ttt_steps=7, samples=3000)
 TINY_SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256, draft_vocab=64,
                   min_len=8, max_len=64, median_len=24, batch_tokens=512, ttt_steps=3, samples=120)
+
+
+BASELINE = "packed + compile + CUDA graph, two-pass loss (c85cd68)"
 
 
 @dataclasses.dataclass
@@ -195,6 +199,36 @@ def compare_on_one_batch(cfg_old: TrainConfig, cfg_new: TrainConfig, model0, lm_
             "grad_rel_diff": diff / norm, "grad_rel_diff_worst_param": max(per_param.items(), key=lambda kv: kv[1])}
 
 
+@contextlib.contextmanager
+def two_pass_loss():
+    """The loss's chunk math as it was before the one-pass kernel (c85cd68): a compiled forward
+    kernel and a compiled gradient kernel per chunk, each reading z and the teacher's logits,
+    and dweight accumulated through a bf16 product cast to float32. For `--loss-baseline`."""
+    from eagle3_assets.core.train import loss as L
+
+    fwd_l, fwd_p = (torch.compile(f, dynamic=True) for f in L._CE_EAGER[:2])
+    grad_l = torch.compile(lambda z, lse, t, lse_t, w: ((torch.exp(z.float() - lse[:, None])
+                                                         - torch.exp(t.float() - lse_t[:, None])) * w[:, None]
+                                                        ).to(z.dtype), dynamic=True)
+    grad_p = torch.compile(lambda z, lse, p, w: ((torch.exp(z.float() - lse[:, None]) - p) * w[:, None]).to(z.dtype),
+                           dynamic=True)
+
+    def both_l(z, t, lse_t, w):
+        lse, pz, am = fwd_l(z, t, lse_t)
+        return lse, pz, am, grad_l(z, lse, t, lse_t, w)
+
+    def both_p(z, p, w):
+        lse, pz, am = fwd_p(z, p)
+        return lse, pz, am, grad_p(z, lse, p, w)
+
+    saved = L._ce_compiled, L._mm_out_dtype
+    L._ce_compiled, L._mm_out_dtype = (fwd_l, fwd_p, both_l, both_p), False
+    try:
+        yield
+    finally:
+        L._ce_compiled, L._mm_out_dtype = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -210,6 +244,8 @@ def main() -> None:
                     help="skip the third path (the new one with training.compile: the loss math under torch.compile)")
     ap.add_argument("--only", choices=["graph"], default=None,
                     help="time only the CUDA-graph rows (packed + CUDA graph, and with compile unless --no-compile)")
+    ap.add_argument("--loss-baseline", action="store_true",
+                    help="also time the compiled CUDA-graph path with the loss's previous two-pass chunk math")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss-chunk-tokens", type=int, default=None, help="training.loss_chunk_tokens (default 4096)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -253,6 +289,8 @@ def main() -> None:
         paths.append(("packed + CUDA graph", cfg_graph))
         if not args.no_compile:
             paths.append(("packed + compile + CUDA graph", dataclasses.replace(cfg_graph, compile=True)))
+            if args.loss_baseline:
+                paths.append((BASELINE, dataclasses.replace(cfg_graph, compile=True)))
     if args.only == "graph":
         paths = [(n, c) for n, c in paths if c.cuda_graph]
         if not paths:
@@ -261,8 +299,9 @@ def main() -> None:
         if args.skip_old and cfg is cfg_old:
             continue
         try:
-            results["paths"].append(time_path(name, cfg, model0, lm_head, refs, cache, shape, device, warmup, steps,
-                                             args.profile))
+            with two_pass_loss() if name == BASELINE else contextlib.nullcontext():
+                results["paths"].append(time_path(name, cfg, model0, lm_head, refs, cache, shape, device, warmup,
+                                                  steps, args.profile))
         except Exception as e:  # noqa: BLE001 (a failed compile is reported, not the end of the table)
             if cfg is cfg_old or cfg is cfg_new:
                 raise

@@ -471,3 +471,47 @@ def test_a_state_saved_without_the_graph_loads_into_the_capturable_optimizer():
     group = resumed.param_groups[0]
     assert group["capturable"] and torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(3e-4)
     assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 1 for s in resumed.state.values())
+
+
+@pytest.mark.parametrize("teacher_kind", ["logits", "probs"])
+def test_the_one_pass_chunked_loss_gives_autograd_s_loss_and_gradients(teacher_kind, monkeypatch):
+    """ChunkedSoftCrossEntropy (the row sums and dz from one function per chunk, dweight
+    accumulated by GEMM) against plain autograd of sum w * (logsumexp(z) - sum(p * z)) in
+    float32, eager and through the compile path (aot_eager backend: the trace, no codegen)."""
+    from eagle3_assets.core.train import loss as loss_module
+
+    torch.manual_seed(0)
+    N, H, V = 37, 16, 29
+    hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    w = torch.rand(N) * (torch.rand(N) > 0.3)
+    t_logits = torch.randn(N, V) * 3
+    p = torch.softmax(t_logits, -1)
+    teacher = (loss_module.PackedTeacher(torch.ones(N, dtype=torch.bool), t_logits.argmax(-1), logits=t_logits)
+               if teacher_kind == "logits" else
+               loss_module.PackedTeacher(torch.ones(N, dtype=torch.bool), p.argmax(-1), topk=(
+                   torch.arange(V).expand(N, V), torch.log(p)), draft_vocab_size=V))
+    z = hidden @ weight.T
+    ref = (w * (torch.logsumexp(z, -1) - (p * z).sum(-1))).sum()
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    compiled = tuple(torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+                     for f in loss_module._CE_EAGER)
+    monkeypatch.setattr(loss_module, "_ce_compiled", compiled)
+    for use_compiled in (False, True):
+        got, argmax = loss_module.ChunkedSoftCrossEntropy.apply(hidden, weight, w, teacher, torch.arange(N), 8,
+                                                                 use_compiled)
+        grads = torch.autograd.grad(got * 2.0, (hidden, weight))
+        assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+        assert torch.equal(argmax, z.argmax(-1))
+        for g, r in zip(grads, ref_grads):
+            assert torch.allclose(g, 2.0 * r, rtol=1e-5, atol=1e-5), (g - 2.0 * r).abs().max()
+
+
+def test_outer_products_accumulate_in_float32_from_bf16():
+    from eagle3_assets.core.train.loss import _accumulate_outer
+
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 8).bfloat16(), torch.randn(64, 5).bfloat16()
+    acc = torch.ones(8, 5)
+    _accumulate_outer(acc, a, b)
+    assert acc.dtype == torch.float32
+    assert torch.allclose(acc, 1 + a.float().T @ b.float(), rtol=1e-2, atol=1e-2)
