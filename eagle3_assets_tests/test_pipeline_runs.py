@@ -144,6 +144,7 @@ def test_a_kill_at_each_stage_then_eagle3_run_finishes_with_nothing_complete_red
     # killed run had finished was kept, what it had not finished was done by a later run.
     assert materializations(project) == {u: 1 for u in UNITS}
     assert latest(project, "drafter")["resumed_from_step"] >= 5  # training continued from its saved state
+    assert not (project / "data" / "drafter_state" / "train_state.pt").exists()  # dropped once recorded
     assert latest(project, "drafter_eval")["tau"] >= 1.0
     with instance_of(project) as instance:
         unfinished = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING]))

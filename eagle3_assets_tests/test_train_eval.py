@@ -174,6 +174,8 @@ def test_paused_training_continues_to_the_same_weights(world, tmp_path):
     up where it stopped and ends where one uninterrupted run ends."""
     from safetensors.torch import load_file
 
+    from eagle3_assets.core.train import finish_state
+
     def run(name, **kw):
         cfg = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=6, batch_tokens=256, ttt_steps=2, log_every=1000,
                           seed=0, checkpoint_dtype="float32")
@@ -183,13 +185,14 @@ def test_paused_training_continues_to_the_same_weights(world, tmp_path):
         return m, logs
 
     whole, _ = run("whole")
-    assert not whole["paused"] and not (tmp_path / "state.pt").exists()
+    assert not whole["paused"] and (tmp_path / "state.pt").exists()  # kept until the asset has the result
+    finish_state(tmp_path / "state.pt")  # as the drafter asset does: the next run starts afresh
     first, logs = run("split", stop_after_s=0.0)  # 0 s: pause after the first step
     assert first["paused"] and first["steps"] == 1 and (tmp_path / "state.pt").exists()
     assert any("paused after 1 steps" in line for line in logs)
     second, logs = run("split")
     assert any("resumed from" in line and "at step 1 of 6" in line for line in logs)
-    assert second["steps"] == 6 and not second["paused"] and not (tmp_path / "state.pt").exists()
+    assert second["steps"] == 6 and not second["paused"] and (tmp_path / "state.pt").exists()
     assert second["loss_history"] == pytest.approx(whole["loss_history"], rel=1e-5)
     assert second["train_s"] >= first["train_s"]  # training time adds up over the runs
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "split" / "model.safetensors")

@@ -136,6 +136,37 @@ def test_snapshots_are_written_once_when_training_time_passes_them(tiny_target, 
     assert [p.name for p in (tmp_path / "drafter" / "snapshots").iterdir()] == ["t00000.001"]
 
 
+@pytest.mark.parametrize("ends_by", ["max_steps", "time_budget"])
+def test_a_finished_training_whose_result_was_not_recorded_finishes_at_once_on_the_next_run(tiny_target, tmp_path,
+                                                                                            ends_by):
+    """The state of a finished training stays until the drafter asset has recorded its result
+    (`finish_state`): a run stopped in between (on the H100 a SIGTERM 3 s after a 494 s training
+    had saved its drafter) finishes at once on the next run, same weights, where it used to
+    train again from step 0. After `finish_state`, the next run trains afresh."""
+    from eagle3_assets.core.train import TrainJob, finish_state, train_drafter
+    from eagle3_assets_tests.test_train_job import setup
+
+    params = setup(tiny_target, tmp_path)
+    cfg = TrainConfig(max_steps=3 if ends_by == "max_steps" else 10_000, batch_tokens=128, warmup_steps=1,
+                      ttt_steps=2, log_every=1, checkpoint_dtype="float32",
+                      time_budget_s=None if ends_by == "max_steps" else 0.5)
+    state = tmp_path / "state.pt"
+    first = train_drafter(TrainJob(**params, config=cfg, state_path=str(state)), log=lambda m: None)
+    assert first["stopped"] == ends_by and first["steps"] >= 1 and state.is_file()
+    weights = (tmp_path / "drafter" / "model.safetensors").read_bytes()
+    logs = []
+    again = train_drafter(TrainJob(**params, config=cfg, state_path=str(state)), log=logs.append)
+    assert again["stopped"] == ends_by and again["steps"] == first["steps"]
+    assert again["resumed_from_step"] == first["steps"] and again["preload_s"] == 0.0
+    assert not any(m.startswith("step ") for m in logs), logs  # no training step ran
+    assert again["step_accuracy"] == first["curve"][-1]["accuracy"]
+    assert (tmp_path / "drafter" / "model.safetensors").read_bytes() == weights
+    finish_state(state)
+    assert not state.exists()
+    fresh = train_drafter(TrainJob(**params, config=cfg, state_path=str(state)), log=lambda m: None)
+    assert fresh["resumed_from_step"] == 0 and fresh["steps"] >= 1
+
+
 def ttt_attention_and_grads(impl: str, q, k, v, diag, lengths):
     from eagle3_assets.core.drafter import PackedGeometry, TTTAttention
 

@@ -1,6 +1,7 @@
 """`drafter`: the EAGLE-3 drafter trained with training-time test over all shards, in its own process
 (torchrun: DDP over several GPUs) started by the `launcher` resource. Its state is kept under `drafter_state/`
-while it runs: a killed or stopped training continues on the next materialization with the same settings."""
+until the asset has its result: a killed or stopped training continues on the next materialization with
+the same settings, and one that finished but was stopped before its result finishes at once."""
 
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue
 
@@ -10,7 +11,7 @@ from ..core.model_card import CARD_NAME
 from ..core.report import settings_snapshot, snapshot_sha256
 from ..core.sample_files import MANIFEST, shard_damage
 from ..core.target import resolve_target
-from ..core.train import TrainJob
+from ..core.train import TrainJob, finish_state
 from ..core.vocab import load_vocab_map
 from ..launchers import GpuJob, Launcher
 from ..observe import observe_learning_curve
@@ -45,6 +46,7 @@ def materialize(context: AssetExecutionContext, settings: Settings, paths: Layou
         trained = launcher.run(context, gpu_job).get_materialize_result()
     exports = export_for_engines(paths.drafter, paths.drafter_exports, model_dir, settings.target_model, settings.training.ttt_steps, aux_ids)
     snapshot = settings_snapshot(settings.model_dump(mode="json"))  # so drafter_eval and `eagle3 report` say what changed
+    finish_state(job.state_path)  # the last step before the result: the next materialization trains afresh
     return MaterializeResult(metadata={**trained.metadata, **{f"export_{e}": MetadataValue.path(str(p)) for e, p in exports.items()},
                                        "settings": MetadataValue.json(snapshot), "settings_sha256": snapshot_sha256(snapshot)})
 

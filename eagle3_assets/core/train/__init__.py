@@ -52,6 +52,7 @@ from .loop import (
     TrainResult,
     _stop_on_sigterm,
     build_draft_model,
+    finish_state,
     learning_rate,
     place_draft_model,
     run_training,

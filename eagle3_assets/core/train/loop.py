@@ -179,7 +179,10 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
         log(f"train: resumed from {job.state_path} at step {progress.step} of {max_steps} "
             f"({trained_before_s:.0f} s trained so far)")
     resumed_from = progress.step
-    data, preload_s = build_data(refs, cfg, dist, resumed_from, log)
+    # A state at its end (the run finished, but its asset was stopped before recording it)
+    # finishes at once: the loop below runs no step, so no data is loaded.
+    finished_before = progress.step >= max_steps or bool(cfg.time_budget_s and trained_before_s >= cfg.time_budget_s)
+    data, preload_s = (None, 0.0) if finished_before else build_data(refs, cfg, dist, resumed_from, log)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.world > 1 else model
     clock = StopClock(cfg, dist, trained_before_s, job.stop_after_s)
     previous_handler = _stop_on_sigterm(clock)
@@ -252,12 +255,13 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
     if dist.main:
         # a value the stopping time passed after the last step's check: these are its weights
         write_due_snapshots(model, job, progress, train_s, log)
-        if job.state_path and paused:  # before the checkpoint moves the weights to the CPU
+        # Paused or finished, the state is saved (before the checkpoint moves the weights to the
+        # CPU). A finished one stays until the drafter asset has its result (`finish_state`): a
+        # run stopped between the two finishes at once next time, instead of training afresh.
+        if job.state_path and not finished_before:
             save_state()
         save_checkpoint(model.cpu(), Path(job.out_dir), dtype=getattr(torch, cfg.checkpoint_dtype))
         log(f"train: saved drafter to {job.out_dir} after {progress.step} steps, {train_s:.1f} s")
-        if job.state_path and not paused:
-            Path(job.state_path).unlink(missing_ok=True)  # finished: a rerun trains afresh
     dist.barrier()
     run_tokens = progress.tokens_seen - (state["tokens_seen"] if state is not None else 0)
     return {
@@ -272,7 +276,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
         "tokens_seen": progress.tokens_seen,
         "final_loss": progress.loss_history[-1] if progress.loss_history else float("nan"),
         "loss_history": progress.loss_history,
-        "step_accuracy": window_accuracy(window) or [0.0] * cfg.ttt_steps,
+        "step_accuracy": (window_accuracy(window) or (progress.curve[-1]["accuracy"] if progress.curve else [])
+                          or [0.0] * cfg.ttt_steps),
         "accuracy_window_batches": len(window),
         "train_s": train_s,
         "run_s": run_s,
@@ -326,6 +331,13 @@ def run_training(job: TrainJob, log: Callable[[str], None] = print,
                  on_point: Callable[[dict], None] | None = None) -> TrainResult:
     """`train_drafter` as a stage: its metrics as a `TrainResult`."""
     return TrainResult(job, train_drafter(job, log, on_point=on_point))
+
+
+def finish_state(state_path: str | Path | None) -> None:
+    """Drop a finished training's state once its result is recorded: the next materialization
+    (new settings, `--force`) trains afresh."""
+    if state_path:
+        Path(state_path).unlink(missing_ok=True)
 
 
 def write_due_snapshots(model, job: TrainJob, progress: Progress, trained_s: float, log) -> None:
