@@ -546,3 +546,24 @@ def test_outer_products_accumulate_in_float32_from_bf16():
     _accumulate_outer(acc, a, b)
     assert acc.dtype == torch.float32
     assert torch.allclose(acc, 1 + a.float().T @ b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_target_in_draft_made_once_at_preload_gives_the_packed_loss_and_gradients(fp8):
+    """`add_target_in_draft` (the full-vocabulary argmax, once per preloaded sample) gives the
+    flags each step made from the batch, and the packed loss and gradients are the same."""
+    from eagle3_assets.core.train.data import add_target_in_draft
+
+    model, lm_head = sharp_drafter(), torch.randn(TINY_VOCAB, 64)
+    samples = make_samples("last_hidden", fp8)
+    cache = {i: dict(s) for i, s in enumerate(samples)}
+    add_target_in_draft(cache, lm_head, model.t2d, chunk_tokens=5)
+    flags = torch.cat([s["target_in_draft"] for s in cache.values()])
+    assert flags.dtype == torch.bool and 0 < int(flags.sum()) < flags.numel()  # both kinds of rows occur
+    plain = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
+    cached = loss_and_grads(model, lm_head, list(cache.values()), "math", loss_chunk_tokens=13)
+    assert cached[0] == plain[0] and torch.equal(cached[2], plain[2])
+    for name, g in plain[3].items():
+        assert torch.equal(cached[3][name], g), name
+    flipped = [{**s, "target_in_draft": ~s["target_in_draft"]} for s in cache.values()]
+    assert loss_and_grads(model, lm_head, flipped, "math", loss_chunk_tokens=13)[0] != plain[0]  # the flags are read

@@ -37,6 +37,7 @@ from __future__ import annotations
 from ..sample_files import list_samples
 from .data import (
     _batch_from_cache,
+    add_target_in_draft,
     batches_forever,
     build_data,
     load_batch,

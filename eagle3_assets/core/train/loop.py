@@ -182,7 +182,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
     # A state at its end (the run finished, but its asset was stopped before recording it)
     # finishes at once: the loop below runs no step, so no data is loaded.
     finished_before = progress.step >= max_steps or bool(cfg.time_budget_s and trained_before_s >= cfg.time_budget_s)
-    data, preload_s = (None, 0.0) if finished_before else build_data(refs, cfg, dist, resumed_from, log)
+    data, preload_s = (None, 0.0) if finished_before else build_data(refs, cfg, dist, resumed_from, log,
+                                                                        teacher_head=(target_head, model.t2d))
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.world > 1 else model
     clock = StopClock(cfg, dist, trained_before_s, job.stop_after_s)
     previous_handler = _stop_on_sigterm(clock)

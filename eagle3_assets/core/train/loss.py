@@ -151,13 +151,15 @@ def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: t
     if "last_hidden_state" in batch:
         flat = batch["last_hidden_state"].to(lm_head.dtype)
         draft_head = lm_head[t2d] if draft_head is None else draft_head
+        cached = batch.get("target_in_draft")  # preloaded samples carry it (`add_target_in_draft`)
         logits, in_draft = [], []
         for start in range(0, flat.shape[0], chunk_tokens):
             h = flat[start : start + chunk_tokens]
-            in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
+            if cached is None:
+                in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
             logits.append(h @ draft_head.T)
         logits = torch.cat(logits)
-        return PackedTeacher(torch.cat(in_draft), logits.argmax(-1), logits=logits)
+        return PackedTeacher(torch.cat(in_draft) if cached is None else cached.bool(), logits.argmax(-1), logits=logits)
     if "topk_ids" in batch:
         ids, logprobs = batch["topk_ids"], batch["topk_logprobs"]
         # the dense distribution's argmax: the first of the ids with the largest probability
