@@ -15,7 +15,8 @@ import json
 FIGURES = {
     "prompts": [("rows", "{:,} rows"), ("shards", "{} shards")],
     "generations": [("answer_tokens", "{:,} answer tokens"), ("tokens_per_s", "**{:,.0f} answer tok/s**"),
-                    ("generate_s", "{:.2f} s"), ("setup_s", "set-up {:.2f} s"), ("prefill_s", "prefill {:.2f} s"),
+                    ("generate_s", "{:.2f} s"), ("setup_s", "set-up {:.2f} s"), ("setup_capture_s", "of which capture {:.2f} s"),
+                    ("between_calls_s", "between calls {:.2f} s"), ("prefill_s", "prefill {:.2f} s"),
                     ("decode_s", "decode {:.2f} s"), ("mean_slot_occupancy", "occupancy {:.2f}"),
                     ("engine", "engine {}"), ("model_load_s", "model load {:.2f} s")],
     "hidden_states": [("tokens", "{:,} tokens"), ("tokens_per_s", "**{:,.0f} tok/s**"), ("extract_s", "{:.1f} s"),

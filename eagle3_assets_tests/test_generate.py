@@ -1,4 +1,5 @@
 import polars as pl
+import pytest
 
 from eagle3_assets.core.generate import generate_shard, template_ids
 from eagle3_assets.core.target import load_model, load_tokenizer
@@ -50,4 +51,7 @@ def test_native_and_transformers_engines_write_the_same_generations(tiny_target,
     assert any("generation engine: transformers (on the CPU" in line for line in logs)
     assert pl.read_parquet(tmp_path / "n.parquet").to_dicts() == pl.read_parquet(tmp_path / "t.parquet").to_dicts()
     assert native.extra_metadata["slots"] == 4 and 0 < native.extra_metadata["mean_slot_occupancy"] <= 1
+    m = native.extra_metadata  # the set-up's parts add up to it; the time between calls is measured
+    assert m["setup_plan_s"] + m["setup_alloc_s"] + m["setup_capture_s"] == pytest.approx(m["setup_s"], abs=5e-3)
+    assert min(m["setup_plan_s"], m["setup_alloc_s"], m["setup_capture_s"], m["between_calls_s"]) >= 0
     assert native.result.answer_tokens == auto.result.answer_tokens > 0

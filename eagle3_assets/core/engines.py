@@ -308,19 +308,26 @@ def _native(gen: GenerationConfig, target: LoadedTarget, prompts: pl.DataFrame, 
     calls = []  # one engine call per turn and sampling mode
     answer = answer_function(target, gen, calls=calls, log=log)
     tok, eos_ids, load_s, device = target.tokenizer, target.eos_ids, target.load_s, target.device
+    t0 = time.perf_counter()
     rows, counts = converse(answer, tok, prompts, eos_ids, do_sample=gen.do_sample, log=log, **loop)
     total_s = sum(r.total_s for r in calls)
+    between_s = time.perf_counter() - t0 - total_s  # templating and tokenizing the turns, outside the engine
+    parts = {k: sum(r.extra.get(k, 0.0) for r in calls) for k in ("plan_s", "alloc_s", "capture_s")}
     result = write_generations(rows, out_path, total_s, counts)
     steps = sum(r.decode_steps for r in calls)
     occupancy = sum(r.mean_occupancy * r.decode_steps for r in calls) / steps if steps else 0.0
     answer_tokens = sum(r.answer_tokens for r in calls)
     log(f"native engine: {answer_tokens:,} answer tokens in {total_s:.1f} s "
         f"({answer_tokens / total_s if total_s else 0:,.0f} tok/s; {len(calls)} calls, set-up "
-        f"{sum(r.extra['setup_s'] for r in calls):.1f} s, prefill {sum(r.prefill_s for r in calls):.1f} s, decode "
-        f"{sum(r.decode_s for r in calls):.1f} s), mean slot occupancy {occupancy:.2f}")
+        f"{sum(r.extra['setup_s'] for r in calls):.1f} s (planning {parts['plan_s']:.1f}, allocation "
+        f"{parts['alloc_s']:.1f}, capture {parts['capture_s']:.1f}), prefill {sum(r.prefill_s for r in calls):.1f} s, "
+        f"decode {sum(r.decode_s for r in calls):.1f} s; {between_s:.1f} s between calls), "
+        f"mean slot occupancy {occupancy:.2f}")
     last = calls[-1] if calls else None
     return EngineRun(result, "native", load_s, device, {
         "setup_s": round(sum(r.extra["setup_s"] for r in calls), 3),
+        **{f"setup_{k}": round(v, 3) for k, v in parts.items()},
+        "between_calls_s": round(between_s, 3),
         "prefill_s": round(sum(r.prefill_s for r in calls), 3),
         "decode_s": round(sum(r.decode_s for r in calls), 3),
         "decode_steps": steps,

@@ -179,16 +179,22 @@ def generate_native(
 
     plan = _plan(model, prompts, max_new_tokens, max_slots, gpu_memory_fraction, kv_budget_bytes,
                  prefill_tokens or PREFILL_TOKENS[kind], 0 if not do_sample else 2 if top_p < 1 else 1)
+    t_plan = time.perf_counter()
     log(f"native engine: {len(prompts)} prompts, {plan.slots} slots, max_len {plan.max_len}, KV cache "
         f"{plan.kv_bytes / 2**30:.2f} GiB, attention {attention}, CUDA graph {'on' if use_graph else 'off'}")
 
     with torch.inference_mode():
         eng = _Engine(model, plan, eos_ids, max_new_tokens, do_sample, temperature, top_p, attention)
+        if kind == "cuda":
+            torch.cuda.synchronize(device)
+        t_alloc = time.perf_counter()
         if use_graph:
             eng.capture()
         if kind == "cuda":
             torch.cuda.synchronize(device)
         setup_s = time.perf_counter() - t_start  # planning, allocation and capture
+        # its parts, so that the set-up of many calls (one per turn) can be traced to its cause
+        setup_parts = {"plan_s": t_plan - t_start, "alloc_s": t_alloc - t_plan, "capture_s": t_start + setup_s - t_alloc}
         rows, stats = _run(eng, prompts, seed, refill_every, use_graph, log)
     total_s = time.perf_counter() - t_start
     answer_tokens = sum(len(a) for _, a, _ in rows)
@@ -206,7 +212,7 @@ def generate_native(
         max_len=plan.max_len,
         cuda_graph=use_graph,
         attention=attention,
-        extra={"prefills": stats["prefills"], "setup_s": setup_s},
+        extra={"prefills": stats["prefills"], "setup_s": setup_s, **setup_parts},
     )
 
 
