@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -123,8 +124,10 @@ def test_a_sigkilled_eagle3_run_takes_its_job_with_it(tiny_target, tmp_path):
     assert len(jobs) == 1, log.read_text()[-3000:]
     os.kill(p.pid, signal.SIGKILL)  # the parent alone: the job is in its own session
     p.wait()
-    # It stops at its next step and saves its state; on a loaded 2-core CI machine its exit took
-    # over 10 s once in three runs. A job that never got the signal trains on (max_steps 1,000,000).
+    # It stops at its next step and saves its state. A job that never got the signal trains on
+    # (max_steps 1,000,000). This failed once in 3 CI runs at a 10 s limit and once in 4 at 60 s: the
+    # job had hung in its signal handler (threading.Event.set, re-entered by the next SIGTERM; see
+    # test_a_burst_of_signals_cannot_deadlock_a_job_s_stop_handlers), not run slow.
     wait_for(lambda: not alive(jobs[0]), timeout=60, what="the orphaned training job to end")
     assert state_step(project) >= 20  # the parent's death reached it as SIGTERM: it saved its state
 
@@ -237,3 +240,41 @@ def test_a_job_dies_with_its_parent_and_a_stop_asked_during_set_up_pauses_traini
         assert clock.check(1, 0) == "paused"
     finally:
         stopping.reset()
+
+
+def test_a_burst_of_signals_cannot_deadlock_a_job_s_stop_handlers():
+    """A job's handlers (`stop_on_signals`, training's `_stop_on_sigterm`) under a burst of
+    SIGTERMs: each only sets a flag, so a signal that lands inside another handler cannot wait
+    on a lock that handler holds. With `threading.Event.set` as the handler, this burst hung the
+    process in 4 of 5 tries (two orphaned jobs on CI hung so, on a futex)."""
+    child = textwrap.dedent("""
+        import time
+        from eagle3_assets.core import stopping
+        from eagle3_assets.core.train import StopClock, TrainConfig, _stop_on_sigterm
+
+        class OneRank:
+            world = 1
+
+        stopping.stop_on_signals()
+        clock = StopClock(TrainConfig(), OneRank(), 0.0, None)
+        _stop_on_sigterm(clock)  # SIGTERM now sets clock.stop_requested, after STOP
+        print("ready", flush=True)
+        end = time.time() + 2.0
+        while time.time() < end:
+            clock.stop_requested.is_set()
+        print("stopped" if clock.stop_requested.is_set() else "not stopped", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        for _ in range(20_000):
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert out.strip() == "stopped" and p.returncode == 0

@@ -20,7 +20,31 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-STOP = threading.Event()  # in a job: stop at the next safe point (a training step, a pack)
+
+
+class StopFlag:
+    """A stop request that signal handlers set: `threading.Event`'s API without its lock. A
+    handler runs on the main thread between bytecodes, so a second signal can arrive while the
+    first handler is inside `Event.set`, holding the lock that the second one then waits for
+    forever: on CI, jobs whose parent died hung so on a futex (a burst of SIGTERMs hangs a
+    process in 4 of 5 tries). Setting an attribute cannot deadlock; readers poll `is_set`."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+STOP = StopFlag()  # in a job: stop at the next safe point (a training step, a pack)
 _PR_SET_PDEATHSIG = 1
 _state = {"signal": None, "count": 0}
 _jobs: set[int] = set()  # process ids (= process group ids) of the running jobs

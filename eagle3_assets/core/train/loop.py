@@ -19,7 +19,7 @@ from .. import drafter as drafter_module
 from ..distributed import Dist, setup
 from ..drafter import DrafterConfig, Eagle3Drafter, save_checkpoint
 from ..sample_files import list_samples
-from ..stopping import STOP
+from ..stopping import STOP, StopFlag
 from ..target import load_target_head
 from ..vocab import load_vocab_map
 from .data import build_data, plan_steps
@@ -71,7 +71,7 @@ class StopClock:
         self.cfg, self.dist, self.stop_after_s = cfg, dist, stop_after_s
         self.run_start = time.perf_counter()
         self.start = self.run_start - trained_before_s  # training time counts over resumed runs
-        self.stop_requested = threading.Event()
+        self.stop_requested = StopFlag()  # set by a signal handler: no lock (see StopFlag)
         self._trained_s = trained_before_s
         self._run_s = 0.0
         self._requested = False
