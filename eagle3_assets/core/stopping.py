@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
-
 class StopFlag:
     """A stop request that signal handlers set: `threading.Event`'s API without its lock. A
     handler runs on the main thread between bytecodes, so a second signal can arrive while the

@@ -177,29 +177,26 @@ def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: t
 # together: one kernel per chunk that reads z and t from memory once (its second sweep of a
 # row finds it in L2), where separate forward and gradient kernels read both twice (the two
 # were 19.5% of the compiled step's kernel time on an H100, at 38% of the bandwidth).
-def _ce_forward_logits(z, t, lse_t):
-    """(logsumexp(z), sum(p * z), argmax z) per row, p = exp(t - lse_t)."""
-    z = z.float()
-    return torch.logsumexp(z, dim=-1), (torch.exp(t.float() - lse_t[:, None]) * z).sum(-1), z.argmax(-1)
-
-
 def _ce_forward_probs(z, p):
+    """(logsumexp(z), sum(p * z), argmax z) per row."""
     z = z.float()
     return torch.logsumexp(z, dim=-1), (p * z).sum(-1), z.argmax(-1)
 
 
-def _ce_fused_logits(z, t, lse_t, w):
-    """`_ce_forward_logits` and d loss / d z = (softmax(z) - p) * w (in z's dtype) at once."""
-    zf = z.float()
-    lse = torch.logsumexp(zf, dim=-1)
-    p = torch.exp(t.float() - lse_t[:, None])
-    return lse, (p * zf).sum(-1), zf.argmax(-1), ((torch.exp(zf - lse[:, None]) - p) * w[:, None]).to(z.dtype)
+def _ce_forward_logits(z, t, lse_t):
+    """`_ce_forward_probs` with p = exp(t - lse_t) (the compiler fuses p into the one kernel)."""
+    return _ce_forward_probs(z, torch.exp(t.float() - lse_t[:, None]))
 
 
 def _ce_fused_probs(z, p, w):
+    """`_ce_forward_probs` and d loss / d z = (softmax(z) - p) * w (in z's dtype) at once."""
     zf = z.float()
     lse = torch.logsumexp(zf, dim=-1)
     return lse, (p * zf).sum(-1), zf.argmax(-1), ((torch.exp(zf - lse[:, None]) - p) * w[:, None]).to(z.dtype)
+
+
+def _ce_fused_logits(z, t, lse_t, w):
+    return _ce_fused_probs(z, torch.exp(t.float() - lse_t[:, None]), w)
 
 
 _CE_EAGER = (_ce_forward_logits, _ce_forward_probs, _ce_fused_logits, _ce_fused_probs)
@@ -242,7 +239,8 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
     The gradients are made in the forward, while each chunk's logits exist: dz = (softmax(z) -
     p) * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden; the backward
     only scales them by the loss's incoming gradient. That is three matmuls per chunk where a
-    backward that recomputes the logits needs four, and one fused pass over the logits. Also returns, without gradient, each row's argmax z (for accuracy)."""
+    backward that recomputes the logits needs four, and one fused pass over the logits. Also
+    returns, without gradient, each row's argmax z (for accuracy)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, teacher_rows, chunk: int, compiled: bool):
