@@ -7,7 +7,7 @@
 #   OUT=dir FRESH=1 RUN_S=540 bash benchmarks/h200_a600.sh   # drops the preset's drafter (else its state,
 #                                                              # 300 s of 600, would be resumed), trains
 #   OUT=dir RUN_S=300 SNAP_S=120 bash benchmarks/h200_a600.sh  # the stopped run continues, evaluates
-# BENCH_S=s: then benchmarks/train_throughput.py --loss-baseline (the one-pass loss against the two-pass).
+# BENCH_S=s: then benchmarks/train_throughput.py --rows-baseline (answer rows only through the head against every row).
 # Results in $OUT: a600_session.log, eagle3_run_a600.log, tau_snapshots_a600.json, history.json, report.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +26,8 @@ if [ $rc -eq 0 ]; then
     > /tmp/tau_a600.log 2>&1
   stamp "snapshots exit $?: $(tr '\n' ' ' < /tmp/tau_a600.log | tail -c 400)"
 fi
-if [ "${BENCH_S:-0}" -gt 0 ]; then  # the training step's one-pass loss against the two-pass one, same machine
-  timeout "$BENCH_S" python3 benchmarks/train_throughput.py --skip-old --only graph --loss-baseline --steps 40 \
+if [ "${BENCH_S:-0}" -gt 0 ]; then  # answer rows through the head against every row, same machine
+  timeout "$BENCH_S" python3 benchmarks/train_throughput.py --skip-old --only graph --rows-baseline --steps 40 \
     --json "$OUT/train_throughput.json" > /tmp/train_throughput.log 2>&1
   stamp "train_throughput exit $?"; grep -v "USDT\|Warning\|warn" /tmp/train_throughput.log | tail -6 | tee -a "$OUT/$SESSION_LOG"
 fi

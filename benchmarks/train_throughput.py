@@ -15,7 +15,9 @@ packed for the new path; both in bf16 autocast, so they agree to bf16 rounding, 
 exactness in float32 is eagle3_assets_tests/test_train_fast.py). `--device cpu --tiny` runs
 the same steps on a tiny shape (a smoke test). On CUDA a row "packed + CUDA graph"
 (`training.cuda_graph`: the whole step captured once, replayed per batch; capture and its
-warm-up are outside the timing) follows; `--only graph` times that row alone.
+warm-up are outside the timing) follows; `--only graph` times that row alone. There the step
+sends only the rows that count in the loss through the head (as training does);
+`--rows-baseline` adds the same step with every row through the head, as before.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ from eagle3_assets.core.train import (  # noqa: E402
     add_target_in_draft,
     attention_impl,
     graph_optimizer,
+    head_row_counts,
     pack_batch,
     pad_batch,
     place_draft_model,
     plan_epoch,
     run_backward_and_update,
     run_forward,
-    static_segments,
+    static_shape,
 )
 
 GPU_SHAPE = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, draft_vocab=17920,
@@ -60,6 +63,7 @@ TINY_SHAPE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
 
 
 BASELINE = "packed + compile + CUDA graph, two-pass loss (c85cd68)"
+ALL_ROWS = "packed + compile + CUDA graph, every row through the head (655697e)"
 
 
 @dataclasses.dataclass
@@ -130,18 +134,23 @@ def profile_steps(name: str, step, batches: list, device: torch.device, out: Pat
 
 
 def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int,
-              profile: Path | None = None) -> dict:
+              profile: Path | None = None, head_rows: bool = True) -> dict:
+    """One path's timing. `head_rows`: the CUDA graph's step sends only the rows that count
+    through the head (as training does; False: every row, as before)."""
     model = copy.deepcopy(model0)
     packed = cfg.attention != "padded"
     plan = plan_epoch(refs, cfg.batch_tokens, cfg.max_length, random.Random(cfg.seed), packed)
-    batches = [_batch_from_cache(b, cache, packed) for b in plan[: warmup + steps]]
+    counts = head_row_counts(cache, cfg.ttt_steps) if cfg.cuda_graph and head_rows else None
+    batches = [_batch_from_cache(b, cache, packed, counts) for b in plan[: warmup + steps]]
     if len(batches) < warmup + steps:
         raise SystemExit(f"{name}: {len(batches)} batches in the data, need {warmup + steps}: raise --samples")
     losses = []
+    rows = 0
     if cfg.cuda_graph:
         optimizer = graph_optimizer(model, cfg, device)
+        segments, rows = static_shape(refs, cfg, 1, counts)
         graphed = GraphedStep(model, lm_head, model.t2d, shape["draft_vocab"], cfg, device, optimizer, batches[0],
-                              static_segments(refs, cfg, 1))
+                              segments, head_rows=rows)
 
         def step(batch):
             losses.append(graphed(batch, cfg.lr)[0])
@@ -172,7 +181,7 @@ def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, devic
     if attention == "flash" and not drafter_module._Flash.ok:
         attention = "math (flash failed)"
     return {
-        "path": name, "attention": attention, "steps": steps, "seconds": round(elapsed, 3),
+        "path": name, "attention": attention, "head_rows": rows or None, "steps": steps, "seconds": round(elapsed, 3),
         "steps_per_s": steps / elapsed, "tokens_per_s": real / elapsed, "real_tokens_per_batch": real / steps,
         "padding_fraction": 1 - real / slots,
         # the issue's simple count: 6 x parameters x TTT steps per real token
@@ -224,7 +233,10 @@ def two_pass_loss():
         return lse, pz, am, grad_p(z, lse, p, w)
 
     saved = L._ce_compiled, L._mm_out_dtype
-    L._ce_compiled, L._mm_out_dtype = (fwd_l, fwd_p, both_l, both_p), False
+    L._ce_compiled = {"forward_logits": fwd_l, "forward_probs": fwd_p, "fused_logits": both_l, "fused_probs": both_p,
+                      "forward_logits_at": lambda z, t, lse_t, i: fwd_l(z, t[i], lse_t[i]),
+                      "fused_logits_at": lambda z, t, lse_t, i, w: both_l(z, t[i], lse_t[i], w)}
+    L._mm_out_dtype = False
     try:
         yield
     finally:
@@ -248,6 +260,8 @@ def main() -> None:
                     help="time only the CUDA-graph rows (packed + CUDA graph, and with compile unless --no-compile)")
     ap.add_argument("--loss-baseline", action="store_true",
                     help="also time the compiled CUDA-graph path with the loss's previous two-pass chunk math")
+    ap.add_argument("--rows-baseline", action="store_true",
+                    help="also time the compiled CUDA-graph path with every row of the packed row through the head")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss-chunk-tokens", type=int, default=None, help="training.loss_chunk_tokens (default 4096)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -292,6 +306,8 @@ def main() -> None:
         paths.append(("packed + CUDA graph", cfg_graph))
         if not args.no_compile:
             paths.append(("packed + compile + CUDA graph", dataclasses.replace(cfg_graph, compile=True)))
+            if args.rows_baseline:
+                paths.append((ALL_ROWS, dataclasses.replace(cfg_graph, compile=True)))
             if args.loss_baseline:
                 paths.append((BASELINE, dataclasses.replace(cfg_graph, compile=True)))
     if args.only == "graph":
@@ -306,7 +322,7 @@ def main() -> None:
                 data = cache if name != BASELINE else {  # c85cd68 made the flags in every step
                     p: {k: v for k, v in s.items() if k != "target_in_draft"} for p, s in cache.items()}
                 results["paths"].append(time_path(name, cfg, model0, lm_head, refs, data, shape, device, warmup,
-                                                  steps, args.profile))
+                                                  steps, args.profile, head_rows=name not in (BASELINE, ALL_ROWS)))
         except Exception as e:  # noqa: BLE001 (a failed compile is reported, not the end of the table)
             if cfg is cfg_old or cfg is cfg_new:
                 raise

@@ -3,6 +3,7 @@ loss) computes today's padded loss and gradients, in float32 on the CPU, and the
 for tau against training time."""
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -280,8 +281,9 @@ def test_a_snapshot_at_the_time_budget_is_written_with_the_final_weights(tiny_ta
     assert snap["step"] == result["steps"] and (tmp_path / "drafter" / "snapshots" / "t00000.050").is_dir()
 
 
-def static_loss_and_grads(model, lm_head, samples, tokens: int, segments: int, **cfg):
-    """`loss_and_grads` on the static row of the CUDA-graph step (run eagerly, math attention)."""
+def static_loss_and_grads(model, lm_head, samples, tokens: int, segments: int, head_rows: int = 0, **cfg):
+    """`loss_and_grads` on the static row of the CUDA-graph step (run eagerly, math attention),
+    `head_rows` rows through the head (0: every row)."""
     from eagle3_assets.core.train import fill_static, packed_forward_on_device, static_buffers, static_max_len
 
     cfg = TrainConfig(ttt_steps=4, loss_decay=0.8, attention="math", batch_tokens=tokens, **cfg)
@@ -290,17 +292,23 @@ def static_loss_and_grads(model, lm_head, samples, tokens: int, segments: int, *
     fill_static(static, batch, static_max_len(cfg))
     model.zero_grad(set_to_none=True)
     loss, losses, tallies = packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg,
-                                                     torch.device("cpu"), "math", static_max_len(cfg), static=True)
+                                                     torch.device("cpu"), "math", static_max_len(cfg), static=True,
+                                                     head_rows=head_rows)
     loss.backward()
     return loss.item(), torch.stack(losses), tallies, {n: p.grad.clone() for n, p in model.named_parameters()}, static
 
 
 @pytest.mark.parametrize("teacher,fp8,max_length,cut", [("last_hidden", False, None, 0), ("topk", False, 23, 0),
                                                         ("last_hidden", True, 23, 5)])
-def test_the_static_row_of_the_cuda_graph_step_gives_the_packed_loss_and_gradients(teacher, fp8, max_length, cut):
+@pytest.mark.parametrize("head_slack", [None, 0, 7])
+def test_the_static_row_of_the_cuda_graph_step_gives_the_packed_loss_and_gradients(teacher, fp8, max_length, cut,
+                                                                                   head_slack):
     """A row padded to batch_tokens (a padding segment, cut in pieces of max_len, and zero-length
     segments in cu_seqlens) trains exactly like the dynamic packed row; `cut` > 0: batch_tokens
-    ends inside the last sample, which then counts as truncated there."""
+    ends inside the last sample, which then counts as truncated there. `head_slack`: None, every
+    row through the head; else a fixed count of head rows, the row's own count plus that slack."""
+    from eagle3_assets.core.train import head_row_counts
+
     model = sharp_drafter()
     lm_head = torch.randn(TINY_VOCAB, 64)
     samples = make_samples(teacher, fp8)
@@ -310,8 +318,13 @@ def test_the_static_row_of_the_cuda_graph_step_gives_the_packed_loss_and_gradien
         samples = samples[:-1] + [{k: v[: LENGTHS[-1] - cut] for k, v in samples[-1].items()}]
     old = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
     segments = len(LENGTHS) + 2 + 3  # 3 slack entries of length 0
-    new = static_loss_and_grads(model, lm_head, make_samples(teacher, fp8), tokens, segments, loss_chunk_tokens=13,
-                                max_length=max_length)
+    head_rows = 0
+    if head_slack is not None:
+        counted = sum(head_row_counts(dict(enumerate(samples)), 4).values())
+        assert 0 < counted < 0.9 * real  # prompt rows and last rows stay out
+        head_rows = counted + head_slack
+    new = static_loss_and_grads(model, lm_head, make_samples(teacher, fp8), tokens, segments, head_rows=head_rows,
+                                loss_chunk_tokens=13, max_length=max_length)
     cu = new[4]["cu_seqlens"].tolist()
     assert len(cu) == segments + 1 and cu[-1] == tokens and cu[-1] == cu[-2]  # zero-length entries at the end
     if max_length and not cut:
@@ -333,6 +346,51 @@ def test_static_row_lengths_and_a_row_with_too_many_samples():
         static_lengths(torch.tensor([5, 9, 4]), tokens=40, segments=4, max_len=9)
 
 
+def test_head_rows_are_counted_per_sample_and_planned_for_the_static_row():
+    """`head_row_counts` (all samples as one packed row) gives each sample's own count of rows in
+    the loss; `_static_rows` lists them in a fixed tensor; `static_shape` takes the most of any
+    planned batch, rounded up to 64; a batch past the static row's count is a clear error."""
+    from eagle3_assets.core.train import check_head_rows, counted_rows, head_row_counts, static_shape
+    from eagle3_assets.core.train.loss import _static_rows
+
+    samples = make_samples("last_hidden", False)
+    cache = dict(enumerate(samples))
+    counts = head_row_counts(cache, 3)
+    for i, s in cache.items():  # one sample alone: its rows, its end
+        n = s["loss_mask"].shape[0]
+        alone = torch.stack(counted_rows(s["loss_mask"], torch.full((n,), n), 3)).any(0)
+        assert counts[i] == int(alone.sum())
+    assert counts[4] == 0  # 2 tokens: no row has a next-next token in its sample
+
+    union = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.bool)
+    assert _static_rows(union, 6).tolist() == [1, 2, 5, 7, 7, 7]  # padded with the last row
+    assert _static_rows(union, 3).tolist() == [1, 2, 5]  # past the capacity: dropped
+
+    @dataclasses.dataclass
+    class Ref:
+        path: int
+        tokens: int
+
+    refs = [Ref(i, n) for i, n in enumerate(LENGTHS)] * 40
+    third = {r.path: r.tokens // 3 for r in refs}
+    cfg = TrainConfig(batch_tokens=1024, max_length=64)
+    segments, rows = static_shape(refs, cfg, 2, third)
+    rng = random.Random(cfg.seed)  # the plans of two epochs, as static_shape cuts them
+    plans = [b for _ in range(2) for b in plan_epoch(refs, 1024, 64, rng, packed=True)]
+    assert segments == max(len(b) for b in plans) + 1024 // 64
+    most = max(sum(third[r.path] for r in b) for b in plans)
+    assert rows % 64 == 0 and most <= rows < most + 64
+    assert static_shape(refs, cfg, 2)[1] == 0  # no counts: every row
+    assert static_shape(refs, cfg, 2, {r.path: r.tokens for r in refs})[1] == 0  # the whole row: every row
+
+    check_head_rows({"head_rows": torch.tensor(64)}, 64)
+    check_head_rows({}, 0)
+    with pytest.raises(ValueError, match="65 rows in the loss does not fit the static row's 64"):
+        check_head_rows({"head_rows": torch.tensor(65)}, 64)
+    with pytest.raises(ValueError, match="unknown count"):
+        check_head_rows({}, 64)
+
+
 def test_cuda_graph_without_cuda_is_a_clear_error(tiny_target, tmp_path):
     from eagle3_assets.core.train import TrainJob, check_cuda_graph, train_drafter
     from eagle3_assets_tests.test_train_job import setup
@@ -348,7 +406,8 @@ def test_cuda_graph_without_cuda_is_a_clear_error(tiny_target, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
+@pytest.mark.parametrize("head_rows", [False, True])
+def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda(head_rows):
     """Each replay of the captured step (forward, loss, backward, clip, capturable AdamW with the
     lr a device tensor) against one eager step from the same weights and optimizer state, on rows
     of different sample bounds: the same loss, gradient norm and update, to bf16 rounding. The
@@ -358,8 +417,9 @@ def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
     run apart, the two would drift, as cuBLAS picks other kernels under capture (bf16 rounding
     differs) and Adam's first steps move every weight by about lr whatever its gradient's size,
     which turns that rounding into a different trajectory on a model this small."""
-    from eagle3_assets.core.train import (GraphedStep, fill_static, graph_optimizer, packed_forward_on_device,
-                                          run_backward_and_update, static_buffers, static_max_len)
+    from eagle3_assets.core.train import (GraphedStep, fill_static, graph_optimizer, head_row_counts,
+                                          packed_forward_on_device, run_backward_and_update, static_buffers,
+                                          static_max_len)
 
     device = torch.device("cuda")
     cfg = TrainConfig(ttt_steps=3, batch_tokens=96, max_length=32, cuda_graph=True, loss_chunk_tokens=40)
@@ -367,13 +427,19 @@ def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
     samples = [{k: v[:32].cuda() for k, v in s.items()} for s in make_samples("last_hidden", False)]
     batches = [pack_batch(samples[i : i + 4]) for i in range(3)]  # other lengths, other bounds
     segments = 4 + 3 + 2
+    capacity = 0
+    if head_rows:  # only the rows in the loss through the head, as training does
+        counts = head_row_counts(dict(enumerate(samples)), cfg.ttt_steps)
+        for i, batch in enumerate(batches):
+            batch["head_rows"] = torch.tensor(sum(counts[j] for j in range(i, i + 4)))
+        capacity = max(int(b["head_rows"]) for b in batches) + 3
 
     eager = make_drafter().train().to(device)
     graphed_model = make_drafter().train().to(device)
     before = {k: v.clone() for k, v in graphed_model.state_dict().items()}
     optimizer = graph_optimizer(graphed_model, cfg, device)
     step = GraphedStep(graphed_model, lm_head, graphed_model.t2d, DRAFT_VOCAB, cfg, device, optimizer, batches[0],
-                       segments)
+                       segments, head_rows=capacity)
     for k, v in graphed_model.state_dict().items():
         assert torch.equal(v, before[k]), k  # the warm-up steps are undone
     assert all(float(s["step"]) == 0 for s in optimizer.state.values())
@@ -384,7 +450,7 @@ def test_cuda_graph_replays_equal_the_eager_static_steps_on_cuda():
     def eager_step(batch, lr):
         fill_static(static, batch, static_max_len(cfg))
         loss, _, tallies = packed_forward_on_device(eager, lm_head, eager.t2d, DRAFT_VOCAB, static, cfg, device,
-                                                    "flash", static_max_len(cfg), static=True)
+                                                    "flash", static_max_len(cfg), static=True, head_rows=capacity)
         eager_opt.param_groups[0]["lr"].fill_(lr)
         return loss.detach(), tallies, run_backward_and_update(loss, eager, eager_opt, eager_opt.param_groups[0]["lr"],
                                                                cfg)
@@ -437,7 +503,8 @@ def test_train_drafter_with_the_cuda_graph_follows_the_eager_run_and_resumes_on_
 
 
 @pytest.mark.parametrize("teacher", ["last_hidden", "topk"])
-def test_the_static_step_has_no_data_dependent_shape_or_host_read(teacher):
+@pytest.mark.parametrize("head_rows", [0, 40])
+def test_the_static_step_has_no_data_dependent_shape_or_host_read(teacher, head_rows):
     """What a CUDA graph cannot hold, caught on the CPU: every op of the static step's forward,
     loss, backward and grad clip (the prefix attention aside: flash on CUDA, the host-read
     math path here) is recorded, and none reads a value back or sizes its output by the data."""
@@ -477,7 +544,8 @@ def test_the_static_step_has_no_data_dependent_shape_or_host_read(teacher):
     try:
         with Record():
             loss, _, _ = packed_forward_on_device(model, lm_head, model.t2d, DRAFT_VOCAB, static, cfg,
-                                                  torch.device("cpu"), "math", 23, static=True, draft_head=draft_head)
+                                                  torch.device("cpu"), "math", 23, static=True, draft_head=draft_head,
+                                                  head_rows=head_rows)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     finally:
@@ -521,15 +589,15 @@ def test_the_one_pass_chunked_loss_gives_autograd_s_loss_and_gradients(teacher_k
                if teacher_kind == "logits" else
                loss_module.PackedTeacher(torch.ones(N, dtype=torch.bool), p.argmax(-1), topk=(
                    torch.arange(V).expand(N, V), torch.log(p)), draft_vocab_size=V))
+    rows = torch.randperm(N)  # each loss row's teacher row: gathered inside the chunk's kernel
     z = hidden @ weight.T
-    ref = (w * (torch.logsumexp(z, -1) - (p * z).sum(-1))).sum()
+    ref = (w * (torch.logsumexp(z, -1) - (p[rows] * z).sum(-1))).sum()
     ref_grads = torch.autograd.grad(ref, (hidden, weight))
-    compiled = tuple(torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
-                     for f in loss_module._CE_EAGER)
+    compiled = {name: torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+                for name, f in loss_module._CE_EAGER.items()}
     monkeypatch.setattr(loss_module, "_ce_compiled", compiled)
     for use_compiled in (False, True):
-        got, argmax = loss_module.ChunkedSoftCrossEntropy.apply(hidden, weight, w, teacher, torch.arange(N), 8,
-                                                                 use_compiled)
+        got, argmax = loss_module.ChunkedSoftCrossEntropy.apply(hidden, weight, w, teacher, rows, 8, use_compiled)
         grads = torch.autograd.grad(got * 2.0, (hidden, weight))
         assert got.item() == pytest.approx(ref.item(), rel=1e-5)
         assert torch.equal(argmax, z.argmax(-1))

@@ -40,6 +40,7 @@ from .data import (
     add_target_in_draft,
     batches_forever,
     build_data,
+    head_row_counts,
     load_batch,
     pack_batch,
     pad_batch,
@@ -63,6 +64,7 @@ from .loop import (
 from .loss import (
     ChunkedSoftCrossEntropy,
     PackedTeacher,
+    counted_rows,
     packed_teacher,
     packed_ttt_loss,
     target_distribution,
@@ -76,6 +78,7 @@ from .step import (
     GraphedStep,
     attention_impl,
     check_cuda_graph,
+    check_head_rows,
     fill_static,
     graph_optimizer,
     make_graph_capturable,
@@ -87,5 +90,5 @@ from .step import (
     static_buffers,
     static_lengths,
     static_max_len,
-    static_segments,
+    static_shape,
 )

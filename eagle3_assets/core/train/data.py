@@ -14,6 +14,10 @@ import torch
 from ..distributed import Dist
 from ..sample_files import SampleRef, dequantize_features, read_sample_slices
 from .job import TrainConfig
+from .loss import counted_rows
+
+# Batch keys that stay on the host: each sample's length, and the rows that go through the head.
+META = ("lengths", "head_rows")
 
 
 def plan_epoch(refs: list[SampleRef], batch_tokens: int, max_length: int | None, rng: random.Random,
@@ -66,10 +70,12 @@ def load_batch(batch: list[SampleRef], max_length: int | None, packed: bool = Fa
 
 
 def batches_forever(
-    refs, cfg: TrainConfig, cache: dict | None = None, start_step: int = 0, rank: int = 0, world: int = 1
+    refs, cfg: TrainConfig, cache: dict | None = None, start_step: int = 0, rank: int = 0, world: int = 1,
+    head_rows: dict | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Endless batches, epoch after epoch. With `cache` (see `preload_samples`) batches are
-    padded from the in-memory samples; the plan is the same as from disk.
+    padded from the in-memory samples; the plan is the same as from disk. `head_rows`
+    (`head_row_counts`): packed batches carry their sum.
 
     One plan for all ranks: step s of rank r is batch s * world + r, so DDP ranks see different
     batches, and a resumed run skips the batches it already trained on (planning reads no file)."""
@@ -80,7 +86,7 @@ def batches_forever(
         for batch in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng, packed):
             if index >= start_step * world and index % world == rank:
                 yield (load_batch(batch, cfg.max_length, packed) if cache is None
-                       else _batch_from_cache(batch, cache, packed))
+                       else _batch_from_cache(batch, cache, packed, head_rows))
             index += 1
 
 
@@ -109,9 +115,27 @@ def add_target_in_draft(cache: dict, lm_head: torch.Tensor, t2d: torch.Tensor, c
                                                for a in range(0, h.shape[0], chunk_tokens)])
 
 
-def _batch_from_cache(batch: list[SampleRef], cache: dict, packed: bool = False) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def head_row_counts(cache: dict, steps: int) -> dict:
+    """path -> how many of the preloaded sample's rows count at some TTT step (`counted_rows`):
+    the rows that go through the head. All samples at once, as one packed row: one read-back."""
+    masks = [sample["loss_mask"] for sample in cache.values()]
+    lengths = torch.tensor([m.shape[0] for m in masks], device=masks[0].device)
+    ends = torch.cumsum(lengths, 0)
+    union = torch.stack(counted_rows(torch.cat(masks), torch.repeat_interleave(ends, lengths), steps)).any(0)
+    upto = torch.cat((union.new_zeros(1, dtype=torch.int64), torch.cumsum(union, 0)))
+    return dict(zip(cache, (upto[ends] - upto[ends - lengths]).tolist()))
+
+
+def _batch_from_cache(batch: list[SampleRef], cache: dict, packed: bool = False,
+                      head_rows: dict | None = None) -> dict[str, torch.Tensor]:
     samples = [cache[ref.path] for ref in batch]
-    return pack_batch(samples) if packed else pad_batch(samples)
+    if not packed:
+        return pad_batch(samples)
+    out = pack_batch(samples)
+    if head_rows is not None:
+        out["head_rows"] = torch.tensor(sum(head_rows[ref.path] for ref in batch))
+    return out
 
 
 def pack_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -152,19 +176,24 @@ def plan_steps(cfg: TrainConfig, refs: list[SampleRef], world: int) -> tuple[int
 
 def build_data(refs: list[SampleRef], cfg: TrainConfig, dist: Dist, start_step: int, log,
                teacher_head: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """The batch stream of this rank from `start_step`; samples preloaded onto the device when
-    `preload` says so (None: on CUDA when they take under half of the free memory), with their
-    `target_in_draft` made once from `teacher_head` (the target's lm_head, t2d)."""
+    """(the batch stream of this rank from `start_step`, preload seconds, `head_row_counts` or
+    None); samples preloaded onto the device when `preload` says so (None: on CUDA when they take
+    under half of the free memory), with their `target_in_draft` made once from `teacher_head`
+    (the target's lm_head, t2d)."""
     preload = cfg.preload
     if preload is None:
         preload = dist.device.type == "cuda" and (
             sum(r.path.stat().st_size for r in refs) < 0.5 * torch.cuda.mem_get_info(dist.device)[0])
-    cache, preload_s = None, 0.0
+    cache, preload_s, counts = None, 0.0, None
     if preload:
         t0 = time.perf_counter()
         cache = preload_samples(refs, cfg.max_length, dist.device)
         if teacher_head is not None:
             add_target_in_draft(cache, *teacher_head)
+        if cfg.attention != "padded":
+            counts = head_row_counts(cache, cfg.ttt_steps)
         preload_s = time.perf_counter() - t0
-        log(f"train: preloaded {len(cache)} samples onto {dist.device} in {preload_s:.1f} s")
-    return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world), preload_s
+        log(f"train: preloaded {len(cache)} samples onto {dist.device} in {preload_s:.1f} s"
+            + (f"; {sum(counts.values()):,} of their {sum(r.tokens for r in refs):,} rows go through the head"
+               if counts else ""))
+    return batches_forever(refs, cfg, cache, start_step, dist.rank, dist.world, counts), preload_s, counts

@@ -34,7 +34,7 @@ from .step import (
     make_graph_capturable,
     run_backward_and_update,
     run_forward,
-    static_segments,
+    static_shape,
 )
 
 
@@ -182,8 +182,8 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
     # A state at its end (the run finished, but its asset was stopped before recording it)
     # finishes at once: the loop below runs no step, so no data is loaded.
     finished_before = progress.step >= max_steps or bool(cfg.time_budget_s and trained_before_s >= cfg.time_budget_s)
-    data, preload_s = (None, 0.0) if finished_before else build_data(refs, cfg, dist, resumed_from, log,
-                                                                        teacher_head=(target_head, model.t2d))
+    data, preload_s, head_rows = (None, 0.0, None) if finished_before else build_data(
+        refs, cfg, dist, resumed_from, log, teacher_head=(target_head, model.t2d))
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.world > 1 else model
     clock = StopClock(cfg, dist, trained_before_s, job.stop_after_s)
     previous_handler = _stop_on_sigterm(clock)
@@ -217,8 +217,11 @@ def train_drafter(job: TrainJob, log: Callable[[str], None] = print,
             if cfg.cuda_graph:
                 if graphed is None:
                     epochs = min(math.ceil(max_steps / batches_per_epoch) + 1, 200)  # more: a max over 200 plans
+                    segments, rows = static_shape(refs, cfg, epochs, head_rows)
+                    log(f"train: CUDA graph over rows of {cfg.batch_tokens} tokens, {segments} segments, "
+                        f"{rows or 'all'} rows through the head")
                     graphed = GraphedStep(model, target_head, model.t2d, job.draft_vocab_size, cfg, device, optimizer,
-                                          batch, static_segments(refs, cfg, epochs))
+                                          batch, segments, head_rows=rows)
                 loss, step_losses, tallies, grad_norm = graphed(batch, lr)
             else:
                 loss, step_losses, tallies = run_forward(ddp, target_head, model.t2d, job.draft_vocab_size, batch, cfg,

@@ -102,8 +102,7 @@ def ttt_loss(
 class PackedTeacher:
     """The target's distribution over the draft vocabulary on a packed row, kept compact: the
     draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
-    its float32 softmax) with their log-sum-exp, or the stored top-k; `rows_of` gives some of
-    its rows. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
+    its float32 softmax) with their log-sum-exp, or the stored top-k. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
     `argmax` [N]: the teacher's own argmax over the draft vocabulary (for accuracy)."""
 
     def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
@@ -113,29 +112,23 @@ class PackedTeacher:
         self.lse = None if logits is None else _logsumexp_rows(logits)
         self.rows = in_draft.shape[0]
 
-    def chunk(self, rows: torch.Tensor | int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The teacher's rows for the loss's rows a..b: `rows` is each loss row's teacher row
-        (`rows_of(rows[a:b])`), or an int shift s, loss row t reading teacher row t + s: a slice of
-        the logits, no gather (rows past the end are zeros: they must carry no loss weight)."""
-        if isinstance(rows, torch.Tensor):
-            return self.rows_of(rows[a:b])
+    def shifted(self, shift: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's logits and log-sum-exp for the loss's rows a..b when loss row t reads
+        teacher row t + shift: a slice, no gather (rows past the end are zeros: they must carry no
+        loss weight)."""
         if self.logits is None:
             raise ValueError("a shifted teacher chunk needs the teacher's logits (the top-k teacher gathers its rows)")
-        end = min(b + rows, self.rows)
-        t, lse_t = self.logits[a + rows : end], self.lse[a + rows : end]
-        if end - a - rows < b - a:  # the row's last loss rows: their teacher rows lie past its end
-            short = b - a - (end - a - rows)
+        end = min(b + shift, self.rows)
+        t, lse_t = self.logits[a + shift : end], self.lse[a + shift : end]
+        if end - a - shift < b - a:  # the row's last loss rows: their teacher rows lie past its end
+            short = b - a - (end - a - shift)
             t, lse_t = torch.cat((t, t.new_zeros(short, t.shape[1]))), torch.cat((lse_t, lse_t.new_zeros(short)))
         return t, lse_t
 
-    def rows_of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows `index` as (logits, their log-sum-exp), or (float32 probabilities, None)
-        for the top-k teacher."""
-        if self.logits is not None:
-            return self.logits.index_select(0, index), self.lse.index_select(0, index)
+    def probs_of(self, index: torch.Tensor) -> torch.Tensor:
+        """The top-k teacher's rows `index` as float32 probabilities over the draft vocabulary."""
         ids, logprobs = self.topk
-        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index),
-                                 self.draft_vocab_size), None
+        return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size)
 
 
 def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -199,17 +192,42 @@ def _ce_fused_logits(z, t, lse_t, w):
     return _ce_fused_probs(z, torch.exp(t.float() - lse_t[:, None]), w)
 
 
-_CE_EAGER = (_ce_forward_logits, _ce_forward_probs, _ce_fused_logits, _ce_fused_probs)
-_ce_compiled: tuple | None = None
+# The same with the teacher's rows gathered by an index (the loss's rows are a selection: the
+# answer rows): given the whole teacher and the index, the compiler loads each row where it lies,
+# inside the one kernel, instead of a gather that writes a copy of the chunk's teacher first.
+def _ce_forward_logits_at(z, t_all, lse_all, index):
+    return _ce_forward_logits(z, t_all[index], lse_all[index])
 
 
-def _ce_functions(compiled: bool) -> tuple:
+def _ce_fused_logits_at(z, t_all, lse_all, index, w):
+    return _ce_fused_logits(z, t_all[index], lse_all[index], w)
+
+
+_CE_EAGER = {f.__name__[4:]: f for f in (_ce_forward_logits, _ce_forward_probs, _ce_fused_logits, _ce_fused_probs,
+                                          _ce_forward_logits_at, _ce_fused_logits_at)}
+_ce_compiled: dict | None = None
+
+
+def _ce_functions(compiled: bool) -> dict:
+    """The chunk functions by name ("fused_logits", "forward_probs_at", ...), compiled or not."""
     global _ce_compiled
     if not compiled:
         return _CE_EAGER
     if _ce_compiled is None:  # dynamic: the last chunk of a row has another length
-        _ce_compiled = tuple(torch.compile(f, dynamic=True) for f in _CE_EAGER)
+        _ce_compiled = {name: torch.compile(f, dynamic=True) for name, f in _CE_EAGER.items()}
     return _ce_compiled
+
+
+def _chunk_terms(fns: dict, z, teacher: PackedTeacher, teacher_rows, a: int, b: int, w):
+    """One chunk's (lse, sum p*z, argmax z[, dz]) against its teacher rows (`ChunkedSoftCrossEntropy`);
+    with dz when `w` is given."""
+    grads = () if w is None else (w,)
+    kind = "fused" if grads else "forward"
+    if isinstance(teacher_rows, int):
+        return fns[f"{kind}_logits"](z, *teacher.shifted(teacher_rows, a, b), *grads)
+    if teacher.logits is not None:
+        return fns[f"{kind}_logits_at"](z, teacher.logits, teacher.lse, teacher_rows[a:b], *grads)
+    return fns[f"{kind}_probs"](z, teacher.probs_of(teacher_rows[a:b]), *grads)
 
 
 _mm_out_dtype = True  # cuBLAS's bf16 x bf16 -> float32 GEMM (`out_dtype`, CUDA only in torch)
@@ -235,7 +253,7 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_t w_t * (logsumexp(z_t) - sum(p_t * z_t)) with z_t = hidden_t @ weight.T, one chunk
     of rows at a time, so the [N, V] float32 logits, softmax and gradient never exist whole
     (-sum(p * log_softmax(z)) = logsumexp(z) - sum(p * z), as p sums to 1). Row t is fitted to
-    the teacher's row teacher_rows[t] (or t + teacher_rows, an int: `PackedTeacher.chunk`).
+    the teacher's row teacher_rows[t] (or t + teacher_rows, an int: `PackedTeacher.shifted`).
     The gradients are made in the forward, while each chunk's logits exist: dz = (softmax(z) -
     p) * w, dhidden = dz @ weight, dweight = sum over chunks of dz.T @ hidden; the backward
     only scales them by the loss's incoming gradient. That is three matmuls per chunk where a
@@ -244,7 +262,7 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, row_weights, teacher: PackedTeacher, teacher_rows, chunk: int, compiled: bool):
-        fwd_logits, fwd_probs, fused_logits, fused_probs = _ce_functions(compiled)
+        fns = _ce_functions(compiled)
         N = hidden.shape[0]
         grads = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -254,14 +272,13 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             z = hidden[a:b] @ weight.T
-            t, lse_t = teacher.chunk(teacher_rows, a, b)
             w = row_weights[a:b]
             if grads:
-                lse, pz, argmax[a:b], dz = fused_logits(z, t, lse_t, w) if lse_t is not None else fused_probs(z, t, w)
+                lse, pz, argmax[a:b], dz = _chunk_terms(fns, z, teacher, teacher_rows, a, b, w)
                 torch.mm(dz, weight, out=d_hidden[a:b])
                 _accumulate_outer(d_weight, dz, hidden[a:b])
             else:
-                lse, pz, argmax[a:b] = fwd_logits(z, t, lse_t) if lse_t is not None else fwd_probs(z, t)
+                lse, pz, argmax[a:b] = _chunk_terms(fns, z, teacher, teacher_rows, a, b, None)
             loss = loss + (w * (lse - pz)).sum()
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.weight_dtype = weight.dtype
@@ -275,6 +292,30 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def counted_rows(loss_mask: torch.Tensor, sample_end: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per TTT step k, which rows t of a packed row count in its loss [N] bool: token t+k+2 is an
+    answer token (loss_mask) AND lies in t's own sample (t+k+2 < sample_end[t])."""
+    N = loss_mask.shape[0]
+    index = torch.arange(N, device=loss_mask.device)
+    counted = []
+    for s in range(1, steps + 1):
+        c = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
+        c[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
+        counted.append(c & (index + s + 1 < sample_end))
+    return counted
+
+
+def _static_rows(union: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The indices of the rows in `union`, in order, in a fixed [capacity] tensor padded with the
+    row's last index (which never counts: its next tokens lie past the row). No data-dependent
+    shape and no read-back, so a CUDA graph can hold it; rows past the capacity are dropped (the
+    capacity is the most any planned batch has, `static_shape`)."""
+    N = union.shape[0]
+    slot = torch.where(union, (torch.cumsum(union, 0) - 1).clamp(max=capacity), capacity)
+    rows = torch.full((capacity + 1,), N - 1, dtype=torch.int64, device=union.device)
+    return rows.scatter_(0, slot, torch.arange(N, device=union.device))[:capacity]
+
+
 def packed_ttt_loss(
     step_hidden: list[torch.Tensor],
     model: Eagle3Drafter,
@@ -285,43 +326,48 @@ def packed_ttt_loss(
     chunk_tokens: int = 4096,
     compute_dtype: torch.dtype = torch.float32,
     compiled: bool = False,
-    all_rows: bool = False,
+    static_rows: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """`ttt_loss` on a packed row, from each step's layer output [N, H] (pre-norm).
 
     Step k at index t imitates the teacher at t+k+1, counted when token t+k+2 is an answer
-    token (loss_mask) AND lies in t's own sample (t+k+2 < sample_end[t]): the shifts run over
-    the whole row, and this mask is what keeps the next sample out (see
-    `Eagle3Drafter.ttt_forward_packed`). With the samples of a padded batch this is the padded
-    loss: the same positions, each averaged over the same count."""
+    token (loss_mask) AND lies in t's own sample (`counted_rows`): the shifts run over the whole
+    row, and this mask is what keeps the next sample out (see `Eagle3Drafter.ttt_forward_packed`).
+    With the samples of a padded batch this is the padded loss: the same positions, each averaged
+    over the same count.
+
+    Only rows that count at some step go through the head: prompt tokens (about a third of the
+    preset's rows) never do. `static_rows` (the CUDA graph's step, fixed shapes): None finds them
+    with one read-back per batch; an int takes that many rows, padded (`_static_rows`), and 0
+    takes every row of the row."""
     N = loss_mask.shape[0]
-    index = torch.arange(N, device=loss_mask.device)
-    counted, included = [], []
-    for k in range(len(step_hidden)):
-        s = k + 1
-        c = torch.zeros(N, dtype=torch.bool, device=loss_mask.device)
-        c[: max(N - s - 1, 0)] = loss_mask[s + 1 :].bool()
-        c &= index + s + 1 < sample_end
+    counted = counted_rows(loss_mask, sample_end, len(step_hidden))
+    included = []
+    for s, c in enumerate(counted, start=1):
         i = c.clone()
         i[: max(N - s, 0)] &= teacher.in_draft[s:]
-        counted.append(c)
         included.append(i)
-    # Only rows that count at some step go through the head: prompt tokens (often a third of a
-    # row) never do. One read-back per batch, for the row count.
-    rows = index if all_rows else torch.stack(counted).any(0).nonzero().squeeze(1)
+    if static_rows is None:
+        rows = torch.stack(counted).any(0).nonzero().squeeze(1)
+    elif 0 < static_rows < N:
+        rows = _static_rows(torch.stack(counted).any(0), static_rows)
+    else:
+        rows = None
     total = torch.zeros((), device=loss_mask.device)
     weight = model.lm_head.weight.to(compute_dtype)
     losses, tallies = [], []
     for k, hidden in enumerate(step_hidden):
         s = k + 1
         count = counted[k].sum()
-        include = included[k] if all_rows else included[k].index_select(0, rows)
-        teacher_rows = (rows + s).clamp(max=N - 1)  # rows past the end are not included
-        hidden_rows = model.norm(hidden if all_rows else hidden.index_select(0, rows)).to(compute_dtype)
-        # Every row through the head (the static step): the teacher's rows are a shifted slice.
-        shifted = s if all_rows and teacher.logits is not None else teacher_rows
-        loss, argmax = ChunkedSoftCrossEntropy.apply(hidden_rows, weight, include.float() / count.clamp(min=1),
-                                                     teacher, shifted, chunk_tokens, compiled)
+        # each row's teacher row (rows past the end are never included)
+        teacher_rows = ((torch.arange(N, device=hidden.device) if rows is None else rows) + s).clamp(max=N - 1)
+        if rows is None:  # every row: the teacher's rows are a shifted slice, no gather
+            include, hidden_rows, shifted = included[k], hidden, s if teacher.logits is not None else teacher_rows
+        else:
+            include, hidden_rows, shifted = included[k].index_select(0, rows), hidden.index_select(0, rows), teacher_rows
+        loss, argmax = ChunkedSoftCrossEntropy.apply(model.norm(hidden_rows).to(compute_dtype), weight,
+                                                     include.float() / count.clamp(min=1), teacher, shifted,
+                                                     chunk_tokens, compiled)
         total = total + loss_decay**k * loss
         losses.append(loss.detach())
         agree = argmax == teacher.argmax.index_select(0, teacher_rows)

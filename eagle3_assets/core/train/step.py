@@ -10,7 +10,7 @@ import torch
 
 from .. import drafter as drafter_module
 from ..sample_files import SampleRef, dequantize_features
-from .data import plan_epoch
+from .data import META, plan_epoch
 from .job import TrainConfig
 from .loss import packed_teacher, packed_ttt_loss, teacher_distribution, ttt_loss
 
@@ -41,7 +41,7 @@ def run_forward(model, target_head: torch.Tensor, t2d: torch.Tensor, draft_vocab
     impl = attention_impl(cfg, device)
     if impl != "padded":
         return run_forward_packed(model, target_head, t2d, draft_vocab_size, batch, cfg, device, impl)
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "lengths"}
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in META}
     batch = dequantize_features(batch)  # fp8 files: hidden states times their scales, here on the device
     # The target's distribution: lm_head(last hidden state), or the stored top-k.
     target_p, target_in_draft = teacher_distribution(batch, target_head, t2d, draft_vocab_size)
@@ -64,17 +64,18 @@ def run_forward_packed(model, target_head: torch.Tensor, t2d: torch.Tensor, draf
     """`run_forward` on a packed row (`pack_batch`): bounds and positions from the CPU lengths."""
     lengths = batch["lengths"]
     batch = {k: v.to(device, non_blocking=True) for k, v in {**batch, **packed_geometry(lengths)}.items()
-             if k != "lengths"}
+             if k not in META}
     return packed_forward_on_device(model, target_head, t2d, draft_vocab_size, batch, cfg, device, impl,
                                     int(lengths.max()))
 
 
 def packed_forward_on_device(model, target_head, t2d, draft_vocab_size: int, batch: dict, cfg: TrainConfig, device,
-                             impl: str, max_len: int, static: bool = False, draft_head: torch.Tensor | None = None):
+                             impl: str, max_len: int, static: bool = False, draft_head: torch.Tensor | None = None,
+                             head_rows: int = 0):
     """The packed forward and loss on a row whose tensors and geometry are on the device.
-    `static` (the CUDA graph's step): every row goes through the head, and autocast keeps no
-    cache of cast weights (a graph must recast them on every replay); `draft_head` as in
-    `packed_teacher`."""
+    `static` (the CUDA graph's step): fixed shapes, `head_rows` rows through the head (0: every
+    row; `packed_ttt_loss`'s static_rows), and autocast keeps no cache of cast weights (a graph
+    must recast them on every replay); `draft_head` as in `packed_teacher`."""
     batch = dequantize_features(batch)
     teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size, draft_head=draft_head)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -87,7 +88,7 @@ def packed_forward_on_device(model, target_head, t2d, draft_vocab_size: int, bat
         drafter = model.module if hasattr(model, "module") else model
         return packed_ttt_loss(step_hidden, drafter, teacher, batch["loss_mask"], batch["sample_end"], cfg.loss_decay,
                                cfg.loss_chunk_tokens, compute_dtype, cfg.compile and device.type == "cuda",
-                               all_rows=static)
+                               static_rows=head_rows if static else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,14 +104,22 @@ def static_max_len(cfg: TrainConfig) -> int:
     return min(cfg.max_length or cfg.batch_tokens, cfg.batch_tokens)
 
 
-def static_segments(refs: list[SampleRef], cfg: TrainConfig, epochs: int) -> int:
-    """Entries of a static row's cu_seqlens minus one: the most samples of any batch the plan
-    cuts in `epochs` epochs (the same rng sequence as `batches_forever`), plus the padding
-    pieces. Too many slack entries cost the flash kernel empty blocks, so the plan is counted."""
+def static_shape(refs: list[SampleRef], cfg: TrainConfig, epochs: int, head_rows: dict | None = None
+                 ) -> tuple[int, int]:
+    """(segments, head rows) of the static row, from the batches the plan cuts in `epochs` epochs
+    (the same rng sequence as `batches_forever`). Segments: entries of cu_seqlens minus one, the
+    most samples of any batch plus the padding pieces (too many slack entries cost the flash
+    kernel empty blocks, so the plan is counted). Head rows: the most rows of any batch that
+    count in the loss (`head_row_counts`, per sample), rounded up to 64; 0 (every row) without
+    the counts or when that is the whole row."""
     rng = random.Random(cfg.seed)
-    most = max(len(b) for _ in range(max(1, epochs)) for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng,
-                                                                          packed=True))
-    return most + math.ceil(cfg.batch_tokens / static_max_len(cfg))
+    plans = [b for _ in range(max(1, epochs))
+             for b in plan_epoch(refs, cfg.batch_tokens, cfg.max_length, rng, packed=True)]
+    segments = max(len(b) for b in plans) + math.ceil(cfg.batch_tokens / static_max_len(cfg))
+    if head_rows is None:
+        return segments, 0
+    rows = 64 * math.ceil(max(sum(head_rows[r.path] for r in b) for b in plans) / 64)
+    return segments, rows if rows < cfg.batch_tokens else 0
 
 
 def static_lengths(lengths: torch.Tensor, tokens: int, segments: int, max_len: int) -> torch.Tensor:
@@ -132,7 +141,7 @@ def static_buffers(batch: dict[str, torch.Tensor], tokens: int, segments: int, d
     """Zeroed device tensors of a static row for the keys of `batch` (`pack_batch`): [tokens, ...]
     per data key in its dtype, and the geometry (cu_seqlens [segments + 1])."""
     out = {k: torch.zeros((tokens, *v.shape[1:]), dtype=v.dtype, device=device)
-           for k, v in batch.items() if k != "lengths"}
+           for k, v in batch.items() if k not in META}
     out["cu_seqlens"] = torch.zeros(segments + 1, dtype=torch.int32, device=device)
     out["positions"] = torch.zeros(tokens, dtype=torch.int64, device=device)
     out["sample_end"] = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -143,7 +152,7 @@ def fill_static(static: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
     """Copy a packed batch into the static row, in place: the padding has ids, loss mask and
     features 0 (a segment of its own, never counted)."""
     tokens, segments = static["positions"].shape[0], static["cu_seqlens"].shape[0] - 1
-    if set(static) != set(batch) - {"lengths"} | set(_GEOMETRY):
+    if set(static) != set(batch) - set(META) | set(_GEOMETRY):
         raise ValueError(f"the batch's keys {sorted(batch)} differ from the captured ones {sorted(static)}")
     lengths = static_lengths(batch["lengths"], tokens, segments, max_len)
     n = min(int(batch["lengths"].sum()), tokens)
@@ -162,14 +171,16 @@ class GraphedStep:
     that precede the capture (on a side stream, as the PyTorch docs show) train on the first
     batch; the weights and optimizer state are put back afterwards, in place, so the run's
     trajectory starts where the eager one does. Parameters are updated in place: saving reads
-    them as always."""
+    them as always. `head_rows` (`static_shape`): the rows that go through the head, the most
+    any batch has (each batch says its own count, checked); 0: every row."""
 
     def __init__(self, model, target_head, t2d, draft_vocab_size: int, cfg: TrainConfig, device, optimizer,
-                 first_batch: dict, segments: int, warmup: int = 3):
+                 first_batch: dict, segments: int, warmup: int = 3, head_rows: int = 0):
         if device.type != "cuda":
             raise ValueError(f"training.cuda_graph needs a CUDA device (training on {device})")
-        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.model, self.optimizer, self.cfg, self.head_rows = model, optimizer, cfg, head_rows
         self.max_len = static_max_len(cfg)
+        self.check_head_rows(first_batch)
         self.static = static_buffers(first_batch, cfg.batch_tokens, segments, device)
         fill_static(self.static, first_batch, self.max_len)
         self.lr = optimizer.param_groups[0]["lr"]
@@ -185,7 +196,7 @@ class GraphedStep:
         def step():
             loss, losses, tallies = packed_forward_on_device(
                 model, self.target_head, self.t2d, draft_vocab_size, self.static, cfg, device, "flash", self.max_len,
-                static=True, draft_head=self.draft_head)
+                static=True, draft_head=self.draft_head, head_rows=head_rows)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -219,10 +230,21 @@ class GraphedStep:
     def __call__(self, batch: dict, lr: float):
         """Train on `batch` at `lr`: (loss, per-step losses [steps], tallies [steps, 2], grad norm),
         copies of the graph's outputs (the next replay overwrites them)."""
+        self.check_head_rows(batch)
         fill_static(self.static, batch, self.max_len)
         self.lr.fill_(lr)
         self.graph.replay()
         return tuple(x.clone() for x in self.outputs)
+
+    def check_head_rows(self, batch: dict) -> None:
+        check_head_rows(batch, self.head_rows)
+
+
+def check_head_rows(batch: dict, capacity: int) -> None:
+    """A batch fits a static row of `capacity` head rows (0: every row) only when it says it does."""
+    if capacity and ("head_rows" not in batch or int(batch["head_rows"]) > capacity):
+        raise ValueError(f"a packed row with {int(batch['head_rows']) if 'head_rows' in batch else 'an unknown count of'} "
+                         f"rows in the loss does not fit the static row's {capacity} (training.cuda_graph)")
 
 
 def graph_optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
