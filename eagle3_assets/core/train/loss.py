@@ -339,7 +339,7 @@ def packed_ttt_loss(
     Only rows that count at some step go through the head: prompt tokens (about a third of the
     preset's rows) never do. `static_rows` (the CUDA graph's step, fixed shapes): None finds them
     with one read-back per batch; an int takes that many rows, padded (`_static_rows`), and 0
-    takes every row of the row."""
+    takes every row of the packed row."""
     N = loss_mask.shape[0]
     counted = counted_rows(loss_mask, sample_end, len(step_hidden))
     included = []
