@@ -8,7 +8,7 @@
 #
 # RG=dir: wheels of reasoning-gym and its pure-Python needs plus pycosat's source (built there), for
 # the experiments that use generator:reasoning-gym/*. GRAPH=on|off skips the graph test. Limits (s): RUN_S (eagle3 run, 420),
-# SNAP_S (snapshots, 75), TESTS_S (the graph test, 60).
+# SNAP_S (snapshots, 75), TESTS_S (the graph test, 60). KEEP=1: continue the last call's run (step 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -39,8 +39,9 @@ if [ $rc -ne 0 ]; then
   stamp "training without the CUDA graph: $settings"
 fi
 
-# 2. The preset, as a user runs it, from a fresh storage root.
-rm -rf .eagle3
+# 2. The preset, as a user runs it, from a fresh storage root. KEEP=1: keep the root, so that a run
+#    stopped by the last call's limit continues (600 s of training do not fit one 10-minute call).
+[ -n "${KEEP:-}" ] || rm -rf .eagle3
 start=$(date +%s)
 stamp "eagle3 run --settings $settings"
 timeout -s TERM "${RUN_S:-420}" python3 -m eagle3_assets.cli run --settings "$settings" > "$OUT/eagle3_run.log" 2>&1
