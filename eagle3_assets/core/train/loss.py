@@ -336,8 +336,8 @@ def packed_ttt_loss(
     With the samples of a padded batch this is the padded loss: the same positions, each averaged
     over the same count.
 
-    Only rows that count at some step go through the head: prompt tokens (about a third of the
-    preset's rows) never do. `static_rows` (the CUDA graph's step, fixed shapes): None finds them
+    Only rows that count at some step go through the head: prompt tokens and each sample's last
+    rows (28% of the preset's rows) never do. `static_rows` (the CUDA graph's step, fixed shapes): None finds them
     with one read-back per batch; an int takes that many rows, padded (`_static_rows`), and 0
     takes every row of the packed row."""
     N = loss_mask.shape[0]
