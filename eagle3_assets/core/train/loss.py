@@ -102,8 +102,9 @@ def ttt_loss(
 class PackedTeacher:
     """The target's distribution over the draft vocabulary on a packed row, kept compact: the
     draft-vocabulary logits [N, V] in the head's dtype (as the padded path computes them before
-    its float32 softmax) with their log-sum-exp, or the stored top-k. `in_draft` [N]: whether the target's full-vocabulary argmax is a draft token;
-    `argmax` [N]: the teacher's own argmax over the draft vocabulary (for accuracy)."""
+    its float32 softmax) with their log-sum-exp, or the stored top-k. `in_draft` [N]: whether the
+    target's full-vocabulary argmax is a draft token; `argmax` [N]: the teacher's own argmax over
+    the draft vocabulary (for accuracy)."""
 
     def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
                  topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0):
@@ -337,9 +338,9 @@ def packed_ttt_loss(
     over the same count.
 
     Only rows that count at some step go through the head: prompt tokens and each sample's last
-    rows (28% of the preset's rows) never do. `static_rows` (the CUDA graph's step, fixed shapes): None finds them
-    with one read-back per batch; an int takes that many rows, padded (`_static_rows`), and 0
-    takes every row of the packed row."""
+    rows (28% of the preset's rows) never do. `static_rows` (the CUDA graph's step, fixed
+    shapes): None finds them with one read-back per batch; an int takes that many rows, padded
+    (`_static_rows`), and 0 takes every row of the packed row."""
     N = loss_mask.shape[0]
     counted = counted_rows(loss_mask, sample_end, len(step_hidden))
     included = []
@@ -353,14 +354,14 @@ def packed_ttt_loss(
         rows = _static_rows(torch.stack(counted).any(0), static_rows)
     else:
         rows = None
+    head_rows = torch.arange(N, device=loss_mask.device) if rows is None else rows
     total = torch.zeros((), device=loss_mask.device)
     weight = model.lm_head.weight.to(compute_dtype)
     losses, tallies = [], []
     for k, hidden in enumerate(step_hidden):
         s = k + 1
         count = counted[k].sum()
-        # each row's teacher row (rows past the end are never included)
-        teacher_rows = ((torch.arange(N, device=hidden.device) if rows is None else rows) + s).clamp(max=N - 1)
+        teacher_rows = (head_rows + s).clamp(max=N - 1)  # rows past the end are never included
         if rows is None:  # every row: the teacher's rows are a shifted slice, no gather
             include, hidden_rows, shifted = included[k], hidden, s if teacher.logits is not None else teacher_rows
         else:

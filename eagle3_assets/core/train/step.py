@@ -180,7 +180,7 @@ class GraphedStep:
             raise ValueError(f"training.cuda_graph needs a CUDA device (training on {device})")
         self.model, self.optimizer, self.cfg, self.head_rows = model, optimizer, cfg, head_rows
         self.max_len = static_max_len(cfg)
-        self.check_head_rows(first_batch)
+        check_head_rows(first_batch, head_rows)
         self.static = static_buffers(first_batch, cfg.batch_tokens, segments, device)
         fill_static(self.static, first_batch, self.max_len)
         self.lr = optimizer.param_groups[0]["lr"]
@@ -230,21 +230,19 @@ class GraphedStep:
     def __call__(self, batch: dict, lr: float):
         """Train on `batch` at `lr`: (loss, per-step losses [steps], tallies [steps, 2], grad norm),
         copies of the graph's outputs (the next replay overwrites them)."""
-        self.check_head_rows(batch)
+        check_head_rows(batch, self.head_rows)
         fill_static(self.static, batch, self.max_len)
         self.lr.fill_(lr)
         self.graph.replay()
         return tuple(x.clone() for x in self.outputs)
 
-    def check_head_rows(self, batch: dict) -> None:
-        check_head_rows(batch, self.head_rows)
-
 
 def check_head_rows(batch: dict, capacity: int) -> None:
     """A batch fits a static row of `capacity` head rows (0: every row) only when it says it does."""
     if capacity and ("head_rows" not in batch or int(batch["head_rows"]) > capacity):
-        raise ValueError(f"a packed row with {int(batch['head_rows']) if 'head_rows' in batch else 'an unknown count of'} "
-                         f"rows in the loss does not fit the static row's {capacity} (training.cuda_graph)")
+        rows = int(batch["head_rows"]) if "head_rows" in batch else "an unknown count of"
+        raise ValueError(f"a packed row with {rows} rows in the loss does not fit the static row's {capacity} "
+                         "(training.cuda_graph)")
 
 
 def graph_optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
