@@ -501,6 +501,8 @@ def main() -> None:
     ap.add_argument("--fp32-slice", action="store_true",
                     help="MoE: first compare a 4-layer float32 slice of the shape with transformers (issue 21, item 1)")
     ap.add_argument("--int4", action="store_true", help="MoE: last, the same model with INT4 experts (memory, tok/s)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also profile 3 packs of the lean forward (torch.profiler): the kernels by device time, to this file")
     ap.add_argument("--experts-per-chunk", type=int, default=None, help="INT4: experts dequantized at a time (default all)")
     args = ap.parse_args()
     if args.model:
@@ -575,6 +577,13 @@ def main() -> None:
         row(f"HF base model, right-padded batches of {args.padded_batch}, no saving", tokens / t, f"{t:.1f} s")
     t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
     row(f"engine forward only (lean, packed {args.batch_tokens}), no saving", tokens / t, f"{t:.1f} s")
+    if args.profile:
+        from train_throughput import profile_steps  # the same kernel table as the training benchmark's
+
+        packs = plan_packs([len(s[1]) for s in samples], args.batch_tokens)[:3]
+        profile_steps(f"{args.arch} lean forward, one pack of {args.batch_tokens}",
+                      lambda p: lean_forward(base, [samples[i][1] for i in p], aux_ids, torch.bfloat16), packs, dev,
+                      args.profile)
     for bt in [int(x) for x in args.sweep.split(",") if x]:
         t = lean_no_save(base, samples, aux_ids, bt, dev)
         row(f"engine forward only (lean, packed {bt}), no saving", tokens / t, f"{t:.1f} s")
