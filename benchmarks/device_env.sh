@@ -17,3 +17,11 @@ if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DIR" \
     "$WHEELS"/*.whl 2>&1 | tail -3
 fi
+# RG: a folder of reasoning-gym's wheel, its pure-Python needs and pycosat's source (built there,
+# no wheel for the node's Python exists), for the experiments with generator:reasoning-gym/*.
+if [ -n "${RG:-}" ] && ! python3 -c "import reasoning_gym" 2>/dev/null; then
+  (python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE_DIR" "$RG"/*.whl \
+   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE_DIR" "$RG"/pycosat-*.tar.gz \
+   && python3 -c "import reasoning_gym" && echo "reasoning-gym installed") > "$OUT/rg_install.log" 2>&1
+  stamp "$(tail -1 "$OUT/rg_install.log")"
+fi

@@ -19,6 +19,7 @@
 # and history.json (`eagle3 history --json`). Limits (s): DATA_S (prompts + generations, 1800),
 # RUN_S (the rest, 1800), PLAN_S (600), REPORT_S (120). SELECT: the assets of that second run (e.g.
 # hidden_states,vocab_map, so that training starts on the next call and compiles once; default all).
+# RG=dir: reasoning-gym for d, d600, e_* and f (benchmarks/device_env.sh installs it once).
 # On a lent machine with 10-minute calls, run one variant a call with e.g. DATA_S=180 RUN_S=360:
 # what a limit stops continues on the next call.
 set -uo pipefail

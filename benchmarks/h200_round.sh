@@ -6,7 +6,7 @@
 #
 #   OUT=/some/dir SITE_PARTS="/tmp/dc/site.tar.xz.part*" bash benchmarks/h200_round.sh [SETTINGS]
 #
-# RG=dir: wheels of reasoning-gym and its pure-Python needs plus pycosat's source (built there), for
+# RG=dir (benchmarks/device_env.sh): wheels of reasoning-gym and its pure-Python needs plus pycosat's source (built there), for
 # the experiments that use generator:reasoning-gym/*. GRAPH=on|off skips the graph test. Limits (s): RUN_S (eagle3 run, 420),
 # SNAP_S (snapshots, 75), TESTS_S (the graph test, 60). KEEP=1: continue the last call's run (step 2).
 set -uo pipefail
@@ -16,12 +16,6 @@ settings=${1:-eagle3_assets/defaults/gpu.yaml}
 SESSION_LOG=round_session.log
 source benchmarks/device_env.sh
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1); python $(python3 -c 'import sys, torch, transformers, dagster; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "dagster", dagster.__version__)' 2>&1 | tail -1)"
-if [ -n "${RG:-}" ]; then
-  (python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE_DIR" "$RG"/*.whl \
-   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE_DIR" "$RG"/pycosat-*.tar.gz \
-   && python3 -c "import reasoning_gym" && echo "reasoning-gym installed") > "$OUT/misc.log" 2>&1
-  stamp "$(tail -1 "$OUT/misc.log")"
-fi
 
 # 1. The graph step on this card: replays equal eager steps (else train without the graph).
 #    GRAPH=on|off: decided by an earlier call (h200_train_probe.sh ran the test), no test here.
