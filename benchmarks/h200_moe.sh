@@ -10,6 +10,7 @@
 # MOE_SAMPLES (96): samples per shape; a real shard has 2,000, and with few packs the last
 # pack's writes, which overlap nothing, weigh more in the files-written rate.
 # MOE_ARCHS ("qwen3_moe deepseek_v3"): the shapes, to split them over calls; MOE_TEST=0 skips the GPU test.
+# The forward is also timed with the experts' elementwise steps eager (--eager-baseline): what compiling them gives.
 # MOE_PROFILE=1: also the kernel table of 3 packs of the forward (moe_profile_<arch>.txt): where the time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ for arch in ${MOE_ARCHS:-qwen3_moe deepseek_v3}; do
   # 96 samples (~110k tokens) in packs of 32,768: four packs, so the writes of one overlap the next
   # forward (48 samples in one 65,536-token pack, as before, leave nothing to overlap: the files
   # rate was the forward plus every write after it).
-  timeout "${MOE_S:-155}" python3 benchmarks/extract_throughput.py --arch "$arch" --fp32-slice $extra --skip-durable --skip-peers \
+  timeout "${MOE_S:-155}" python3 benchmarks/extract_throughput.py --arch "$arch" --fp32-slice $extra --skip-durable --skip-peers --eager-baseline \
     --samples "${MOE_SAMPLES:-96}" --batch-tokens 32768 --writer-threads 8 --out-dir /tmp/xbench_moe --json "$OUT/moe_$arch.json" \
     ${MOE_PROFILE:+--profile "$OUT/moe_profile_$arch.txt"} \
     > "$OUT/moe_$arch.log" 2>&1

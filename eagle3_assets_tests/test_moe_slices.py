@@ -75,3 +75,36 @@ def test_grouped_gemm_equals_the_per_expert_loop_and_int4_experts_their_dequanti
         torch.testing.assert_close(whole, chunked, rtol=1.6e-2, atol=1e-2)  # experts dequantized 10 at a time
         plain = type("Plain", (), {"num_experts": 32, "gate_up_proj": gate_up, "down_proj": down})()
         torch.testing.assert_close(whole, routed_experts(plain, x, idx, w), rtol=0, atol=0)
+
+
+def test_the_compiled_elementwise_steps_equal_the_eager_ones(monkeypatch):
+    """The grouped path's compiled SwiGLU and unsort + weighted sum (`moe._Fused`) equal the eager
+    scatter + batched matmul in float32; a compile that fails switches them off with its reason."""
+    from eagle3_assets.core import moe
+
+    monkeypatch.setattr(moe._Fused, "compiled", {})
+    torch.manual_seed(0)
+    for n, k, h in [(37, 4, 16), (5, 2, 8)]:  # two shapes through one compile (dynamic)
+        idx = torch.randint(0, 6, (n, k))
+        w = torch.rand(n, k)
+        order = torch.argsort(idx.reshape(-1), stable=True)
+        out = torch.randn(n * k, h)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel())
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        eager = torch.bmm(w.view(n, 1, k), unsorted.view(n, k, -1)).view(n, -1)
+        torch.testing.assert_close(moe._fused(moe._combine, out, inv, w), eager, rtol=1e-5, atol=1e-5)
+        gu = torch.randn(n * k, 2 * h)
+        torch.testing.assert_close(moe._fused(moe._swiglu, gu), moe._swiglu(gu), rtol=1e-5, atol=1e-6)
+    assert moe._Fused.ok and moe._Fused.why == ""
+
+    def broken(fn, **kw):
+        raise RuntimeError("no triton here")
+
+    monkeypatch.setattr(moe._Fused, "compiled", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(moe._Fused, "ok", True)
+    monkeypatch.setattr(moe._Fused, "why", "")
+    assert moe._fused(moe._swiglu, torch.randn(4, 8)) is None
+    assert not moe._Fused.ok and "no triton here" in moe._Fused.why

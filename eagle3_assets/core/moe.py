@@ -8,7 +8,9 @@ top-k over `n_group` groups keeping `topk_group`, weights renormalized and times
 rows are sorted by expert (stable), so each expert's rows are contiguous: on CUDA in bf16 one
 grouped GEMM (torch's `grouped_mm`) per projection runs every expert, else one matmul per expert
 that got rows (the reference, and what the CPU runs). Each token's k rows are summed with its
-weights by one batched matmul (deterministic, float32 accumulation). Quantized experts
+weights by one batched matmul (deterministic, float32 accumulation). On the grouped path the
+elementwise steps between the GEMMs are compiled (`_Fused`): SwiGLU in one kernel, and the
+unsort plus weighted sum in one gather that reads each row once. Quantized experts
 (`quantized.QuantExperts`) are dequantized `experts_per_chunk` experts at a time, just
 before their GEMMs.
 """
@@ -29,6 +31,44 @@ class _Grouped:
 
     ok = True
     why = ""
+
+
+class _Fused:
+    """The grouped path's elementwise steps, compiled (torch.compile, dynamic shapes): each of the
+    eager versions moves a [rows*k, H] tensor through memory two or three times. Switched off for
+    good, with the reason, the first time a compile or a call fails (no Triton, say)."""
+
+    ok = True
+    why = ""
+    compiled: dict = {}
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def _combine(out: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * out[inv[t*k + j]] in float32: the rows back in (token, k) order and summed, in one pass."""
+    n, k = weights.shape
+    return (out[inv].view(n, k, -1).float() * weights.float().unsqueeze(-1)).sum(1)
+
+
+def _fused(fn, *args) -> torch.Tensor | None:
+    """`fn` compiled, called; None once the compiled path has failed (the caller runs eager)."""
+    if not _Fused.ok:
+        return None
+    try:
+        if fn not in _Fused.compiled:
+            _Fused.compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        return _Fused.compiled[fn](*args)
+    except Exception as e:  # inductor raises many types (no Triton, a backend error): fall back for good
+        _Fused.ok, _Fused.why = False, f"{type(e).__name__}: {str(e)[:200]}"
+        return None
+
+
+def elementwise_path() -> str:
+    return "compiled" if _Fused.ok else f"eager ({_Fused.why})"
 
 
 def moe_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -77,6 +117,12 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                     continue
                 g, u = F.linear(xs[s:t], gate_up[e - e0]).chunk(2, dim=-1)
                 out[s:t] = F.linear(F.silu(g) * u, down[e - e0])
+    if grouped:
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        y = _fused(_combine, out, inv, top_k_weights)
+        if y is not None:
+            return y.to(x.dtype)
     # Back in (token, k) order, each token's k rows summed with its weights by one batched matmul:
     # deterministic (no atomic adds) and accumulated in float32 inside the GEMM, rounded once, as
     # transformers' grouped_mm experts sum them; the weights are rounded to the rows' dtype (bf16:
@@ -92,8 +138,9 @@ def _grouped_chunk(experts, xs, counts, e0: int, e1: int, dtype) -> torch.Tensor
     offs = counts.cumsum(0).to(torch.int32)
     gate_up, down = expert_weights(experts, e0, e1, dtype)
     try:
-        g, u = mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+        gu = mm(xs, gate_up.transpose(-2, -1), offs=offs)
+        h = _fused(_swiglu, gu)
+        return mm(_swiglu(gu) if h is None else h, down.transpose(-2, -1), offs=offs)
     except (RuntimeError, TypeError, NotImplementedError) as e:  # an older build or another card
         _Grouped.ok, _Grouped.why = False, f"{type(e).__name__}: {e}"
         out = torch.empty(xs.shape[0], down.shape[1], dtype=dtype, device=xs.device)
