@@ -503,7 +503,7 @@ def main() -> None:
     ap.add_argument("--int4", action="store_true", help="MoE: last, the same model with INT4 experts (memory, tok/s)")
     ap.add_argument("--eager-baseline", action="store_true",
                     help="MoE: also time the forward with the experts' elementwise steps eager (before they were compiled)")
-    ap.add_argument("--profile", type=Path, default=None,
+    ap.add_argument("--profile", default=None,
                     help="also profile 3 packs of the lean forward (torch.profiler): the kernels by device time, to this file")
     ap.add_argument("--experts-per-chunk", type=int, default=None, help="INT4: experts dequantized at a time (default all)")
     args = ap.parse_args()
@@ -593,7 +593,7 @@ def main() -> None:
         packs = plan_packs([len(s[1]) for s in samples], args.batch_tokens)[:3]
         profile_steps(f"{args.arch} lean forward, one pack of {args.batch_tokens}",
                       lambda p: lean_forward(base, [samples[i][1] for i in p], aux_ids, torch.bfloat16), packs, dev,
-                      args.profile)
+                      Path(args.profile))
     for bt in [int(x) for x in args.sweep.split(",") if x]:
         t = lean_no_save(base, samples, aux_ids, bt, dev)
         row(f"engine forward only (lean, packed {bt}), no saving", tokens / t, f"{t:.1f} s")
