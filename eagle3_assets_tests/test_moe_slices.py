@@ -84,7 +84,7 @@ def test_the_compiled_elementwise_steps_equal_the_eager_ones(monkeypatch):
 
     monkeypatch.setattr(moe._Fused, "compiled", {})
     torch.manual_seed(0)
-    for n, k, h in [(37, 4, 16), (5, 2, 8)]:  # two shapes through one compile (dynamic)
+    for n, k, h in [(37, 4, 16), (5, 4, 16), (9, 2, 8)]:  # new row counts (dynamic after the first) and widths
         idx = torch.randint(0, 6, (n, k))
         w = torch.rand(n, k)
         order = torch.argsort(idx.reshape(-1), stable=True)

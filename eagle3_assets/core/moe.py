@@ -34,9 +34,11 @@ class _Grouped:
 
 
 class _Fused:
-    """The grouped path's elementwise steps, compiled (torch.compile, dynamic shapes): each of the
-    eager versions moves a [rows*k, H] tensor through memory two or three times. Switched off for
-    good, with the reason, the first time a compile or a call fails (no Triton, say)."""
+    """The grouped path's elementwise steps, compiled (torch.compile): each of the eager versions
+    moves a [rows*k, H] tensor through memory two or three times. The default dynamic mode keeps
+    the widths static (aligned, vectorized loads) and makes the row count dynamic at its first
+    change: two compiles per function. Switched off for good, with the reason, the first time a
+    compile or a call fails (no Triton, say)."""
 
     ok = True
     why = ""
@@ -49,9 +51,16 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(out: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * out[inv[t*k + j]] in float32: the rows back in (token, k) order and summed, in one pass."""
+    """sum_k w[t, k] * out[inv[t*k + k']] for each token t, accumulated in float32 and rounded once:
+    one pointwise kernel that reads each routed row once. (Written as a sum over a [n, k, H] view,
+    inductor made a reduction kernel that ran at about a sixth of the card's bandwidth: 2.5 ms a
+    layer for the Qwen3-MoE shape's 32,768-token pack on an H100, 17% of the forward.)"""
     n, k = weights.shape
-    return (out[inv].view(n, k, -1).float() * weights.float().unsqueeze(-1)).sum(1)
+    rows = inv.view(n, k)
+    y = out[rows[:, 0]].float() * weights[:, :1].float()
+    for j in range(1, k):
+        y = y + out[rows[:, j]].float() * weights[:, j:j + 1].float()
+    return y.to(out.dtype)
 
 
 def _fused(fn, *args) -> torch.Tensor | None:
@@ -60,7 +69,7 @@ def _fused(fn, *args) -> torch.Tensor | None:
         return None
     try:
         if fn not in _Fused.compiled:
-            _Fused.compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+            _Fused.compiled[fn] = torch.compile(fn, fullgraph=True)
         return _Fused.compiled[fn](*args)
     except Exception as e:  # inductor raises many types (no Triton, a backend error): fall back for good
         _Fused.ok, _Fused.why = False, f"{type(e).__name__}: {str(e)[:200]}"
@@ -122,7 +131,7 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         inv[order] = torch.arange(order.numel(), device=order.device)
         y = _fused(_combine, out, inv, top_k_weights)
         if y is not None:
-            return y.to(x.dtype)
+            return y
     # Back in (token, k) order, each token's k rows summed with its weights by one batched matmul:
     # deterministic (no atomic adds) and accumulated in float32 inside the GEMM, rounded once, as
     # transformers' grouped_mm experts sum them; the weights are rounded to the rows' dtype (bf16:
