@@ -71,6 +71,8 @@ def _fused(fn, *args) -> torch.Tensor | None:
         if fn not in _Fused.compiled:
             _Fused.compiled[fn] = torch.compile(fn, fullgraph=True)
         return _Fused.compiled[fn](*args)
+    except torch.OutOfMemoryError:  # the pack's size, not the compile: the caller's to handle
+        raise
     except Exception as e:  # inductor raises many types (no Triton, a backend error): fall back for good
         _Fused.ok, _Fused.why = False, f"{type(e).__name__}: {str(e)[:200]}"
         return None
