@@ -502,7 +502,7 @@ def main() -> None:
                     help="MoE: first compare a 4-layer float32 slice of the shape with transformers (issue 21, item 1)")
     ap.add_argument("--int4", action="store_true", help="MoE: last, the same model with INT4 experts (memory, tok/s)")
     ap.add_argument("--eager-baseline", action="store_true",
-                    help="MoE: also time the forward with the experts' elementwise steps eager (before they were compiled)")
+                    help="MoE: also time the forward with the elementwise steps eager (core/compiled.py off: before they were compiled)")
     ap.add_argument("--profile", default=None,
                     help="also profile 3 packs of the lean forward (torch.profiler): the kernels by device time, to this file")
     ap.add_argument("--experts-per-chunk", type=int, default=None, help="INT4: experts dequantized at a time (default all)")
@@ -580,12 +580,12 @@ def main() -> None:
     t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
     row(f"engine forward only (lean, packed {args.batch_tokens}), no saving", tokens / t, f"{t:.1f} s")
     if moe and args.eager_baseline:
-        from eagle3_assets.core import moe as moe_module
+        from eagle3_assets.core.compiled import Compiled
 
-        moe_module._Fused.ok = False
+        Compiled.ok = False
         t = lean_no_save(base, samples, aux_ids, args.batch_tokens, dev)
-        moe_module._Fused.ok = not moe_module._Fused.why
-        row(f"engine forward only (lean, packed {args.batch_tokens}), experts' elementwise steps eager, no saving",
+        Compiled.ok = not Compiled.why
+        row(f"engine forward only (lean, packed {args.batch_tokens}), elementwise steps eager, no saving",
             tokens / t, f"{t:.1f} s")
     if args.profile:
         from train_throughput import profile_steps  # the same kernel table as the training benchmark's
@@ -656,11 +656,12 @@ def main() -> None:
         log(f"load: {json.dumps(lt)}")
 
     if moe:
-        from eagle3_assets.core.moe import elementwise_path, moe_path
+        from eagle3_assets.core.compiled import compiled_path
+        from eagle3_assets.core.moe import moe_path
 
         RESULTS["moe_path"] = moe_path(dev, dtype)  # grouped_mm, or the per-expert loop and why
-        RESULTS["moe_elementwise"] = elementwise_path()  # compiled, or eager and why
-        log(f"MoE experts: {RESULTS['moe_path']}, elementwise steps {RESULTS['moe_elementwise']}")
+        RESULTS["elementwise"] = compiled_path()  # compiled, or eager and why
+        log(f"MoE experts: {RESULTS['moe_path']}, elementwise steps {RESULTS['elementwise']}")
     log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
     for name, v, note in ROWS:
         log(f"| {name} | {v:,.0f} | {note} |")
@@ -720,11 +721,12 @@ def same_data_as_shards(args) -> None:
         RESULTS["shards"][Path(path).stem] = {"samples": len(samples), "tokens": tokens, "engine_s": t}
         shutil.rmtree(d, ignore_errors=True)
     if moe:
-        from eagle3_assets.core.moe import elementwise_path, moe_path
+        from eagle3_assets.core.compiled import compiled_path
+        from eagle3_assets.core.moe import moe_path
 
         RESULTS["moe_path"] = moe_path(dev, dtype)  # grouped_mm, or the per-expert loop and why
-        RESULTS["moe_elementwise"] = elementwise_path()  # compiled, or eager and why
-        log(f"MoE experts: {RESULTS['moe_path']}, elementwise steps {RESULTS['moe_elementwise']}")
+        RESULTS["elementwise"] = compiled_path()  # compiled, or eager and why
+        log(f"MoE experts: {RESULTS['moe_path']}, elementwise steps {RESULTS['elementwise']}")
     log("\n| way | tokens/s | note |\n| --- | ---: | --- |")
     for name, v, note in ROWS:
         log(f"| {name} | {v:,.0f} | {note} |")

@@ -10,7 +10,7 @@
 # MOE_SAMPLES (96): samples per shape; a real shard has 2,000, and with few packs the last
 # pack's writes, which overlap nothing, weigh more in the files-written rate.
 # MOE_ARCHS ("qwen3_moe deepseek_v3"): the shapes, to split them over calls; MOE_TEST=0 skips the GPU test.
-# The forward is also timed with the experts' elementwise steps eager (--eager-baseline): what compiling them gives.
+# The forward is also timed with its elementwise steps eager (--eager-baseline): what compiling them gives.
 # MOE_PROFILE=1: also the kernel table of 3 packs of the forward (moe_profile_<arch>.txt): where the time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."

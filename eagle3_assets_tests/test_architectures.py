@@ -184,6 +184,26 @@ def test_varlen_attention_with_mla_value_heads_equals_one_sdpa_per_sample_on_cud
     torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_compiled_into_one_pass_equals_the_eager_rotation(monkeypatch, interleaved):
+    """The lean forward's RoPE for wide rotations (`_Rope`, `core/compiled.py`) equals the eager
+    product, roll and addcmul in float32 (inductor's CPU code here; Triton on a GPU), in the half-split
+    and DeepSeek's interleaved layouts."""
+    from eagle3_assets.core import compiled as c
+    from eagle3_assets.core.lean_forward import _rotate
+
+    monkeypatch.setattr(c.Compiled, "fns", {})
+    torch.manual_seed(0)
+    for n, heads in [(50, 4), (9, 4), (9, 1)]:
+        x = torch.randn(n, heads, 16)
+        angle = torch.rand(n, 1, 8) * 6
+        cos = torch.cat((angle.cos(), angle.cos()), -1)
+        sin_signed = torch.cat((-angle.sin(), angle.sin()), -1)
+        torch.testing.assert_close(c.compiled(_rotate, x, cos, sin_signed, interleaved),
+                                   _rotate(x, cos, sin_signed, interleaved), rtol=1e-5, atol=1e-6)
+    assert c.Compiled.ok, c.Compiled.why
+
+
 def test_drafter_shape_from_each_family_config():
     """Llama/Qwen targets lend the drafter their head shape; an MLA target (DeepSeek-V3, Kimi-K2) has
     none to lend: 128-wide heads over the hidden size, 8 key-value heads."""

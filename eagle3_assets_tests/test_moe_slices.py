@@ -78,11 +78,12 @@ def test_grouped_gemm_equals_the_per_expert_loop_and_int4_experts_their_dequanti
 
 
 def test_the_compiled_elementwise_steps_equal_the_eager_ones(monkeypatch):
-    """The grouped path's compiled SwiGLU and unsort + weighted sum (`moe._Fused`) equal the eager
+    """The grouped path's compiled SwiGLU and unsort + weighted sum (`core/compiled.py`) equal the eager
     scatter + batched matmul in float32; a compile that fails switches them off with its reason."""
+    from eagle3_assets.core import compiled as c
     from eagle3_assets.core import moe
 
-    monkeypatch.setattr(moe._Fused, "compiled", {})
+    monkeypatch.setattr(c.Compiled, "fns", {})
     torch.manual_seed(0)
     for n, k, h in [(37, 4, 16), (5, 4, 16), (9, 2, 8)]:  # new row counts (dynamic after the first) and widths
         idx = torch.randint(0, 6, (n, k))
@@ -94,17 +95,17 @@ def test_the_compiled_elementwise_steps_equal_the_eager_ones(monkeypatch):
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         eager = torch.bmm(w.view(n, 1, k), unsorted.view(n, k, -1)).view(n, -1)
-        torch.testing.assert_close(moe._fused(moe._combine, out, inv, w), eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c.compiled(moe._combine, out, inv, w), eager, rtol=1e-5, atol=1e-5)
         gu = torch.randn(n * k, 2 * h)
-        torch.testing.assert_close(moe._fused(moe._swiglu, gu), moe._swiglu(gu), rtol=1e-5, atol=1e-6)
-    assert moe._Fused.ok and moe._Fused.why == ""
+        torch.testing.assert_close(c.compiled(moe._swiglu, gu), moe._swiglu(gu), rtol=1e-5, atol=1e-6)
+    assert c.Compiled.ok and c.Compiled.why == "" and c.compiled_path() == "compiled"
 
     def broken(fn, **kw):
         raise RuntimeError("no triton here")
 
-    monkeypatch.setattr(moe._Fused, "compiled", {})
+    monkeypatch.setattr(c.Compiled, "fns", {})
     monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(moe._Fused, "ok", True)
-    monkeypatch.setattr(moe._Fused, "why", "")
-    assert moe._fused(moe._swiglu, torch.randn(4, 8)) is None
-    assert not moe._Fused.ok and "no triton here" in moe._Fused.why
+    monkeypatch.setattr(c.Compiled, "ok", True)
+    monkeypatch.setattr(c.Compiled, "why", "")
+    assert c.compiled(moe._swiglu, torch.randn(4, 8)) is None
+    assert not c.Compiled.ok and "no triton here" in c.compiled_path()

@@ -9,7 +9,7 @@ rows are sorted by expert (stable), so each expert's rows are contiguous: on CUD
 grouped GEMM (torch's `grouped_mm`) per projection runs every expert, else one matmul per expert
 that got rows (the reference, and what the CPU runs). Each token's k rows are summed with its
 weights by one batched matmul (deterministic, float32 accumulation). On the grouped path the
-elementwise steps between the GEMMs are compiled (`_Fused`): SwiGLU in one kernel, and the
+elementwise steps between the GEMMs are compiled (`compiled.py`): SwiGLU in one kernel, and the
 unsort plus weighted sum in one gather that reads each row once. Quantized experts
 (`quantized.QuantExperts`) are dequantized `experts_per_chunk` experts at a time, just
 before their GEMMs.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .compiled import compiled
 
 
 def _grouped_mm():
@@ -31,18 +33,6 @@ class _Grouped:
 
     ok = True
     why = ""
-
-
-class _Fused:
-    """The grouped path's elementwise steps, compiled (torch.compile): each of the eager versions
-    moves a [rows*k, H] tensor through memory two or three times. The default dynamic mode keeps
-    the widths static (aligned, vectorized loads) and makes the row count dynamic at its first
-    change: two compiles per function. Switched off for good, with the reason, the first time a
-    compile or a call fails (no Triton, say)."""
-
-    ok = True
-    why = ""
-    compiled: dict = {}
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -61,25 +51,6 @@ def _combine(out: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> tor
     for j in range(1, k):
         y = y + out[rows[:, j]].float() * weights[:, j:j + 1].float()
     return y.to(out.dtype)
-
-
-def _fused(fn, *args) -> torch.Tensor | None:
-    """`fn` compiled, called; None once the compiled path has failed (the caller runs eager)."""
-    if not _Fused.ok:
-        return None
-    try:
-        if fn not in _Fused.compiled:
-            _Fused.compiled[fn] = torch.compile(fn, fullgraph=True)
-        return _Fused.compiled[fn](*args)
-    except torch.OutOfMemoryError:  # the pack's size, not the compile: the caller's to handle
-        raise
-    except Exception as e:  # inductor raises many types (no Triton, a backend error): fall back for good
-        _Fused.ok, _Fused.why = False, f"{type(e).__name__}: {str(e)[:200]}"
-        return None
-
-
-def elementwise_path() -> str:
-    return "compiled" if _Fused.ok else f"eager ({_Fused.why})"
 
 
 def moe_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -131,7 +102,7 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     if grouped:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
-        y = _fused(_combine, out, inv, top_k_weights)
+        y = compiled(_combine, out, inv, top_k_weights)
         if y is not None:
             return y
     # Back in (token, k) order, each token's k rows summed with its weights by one batched matmul:
@@ -150,7 +121,7 @@ def _grouped_chunk(experts, xs, counts, e0: int, e1: int, dtype) -> torch.Tensor
     gate_up, down = expert_weights(experts, e0, e1, dtype)
     try:
         gu = mm(xs, gate_up.transpose(-2, -1), offs=offs)
-        h = _fused(_swiglu, gu)
+        h = compiled(_swiglu, gu)
         return mm(_swiglu(gu) if h is None else h, down.transpose(-2, -1), offs=offs)
     except (RuntimeError, TypeError, NotImplementedError) as e:  # an older build or another card
         _Grouped.ok, _Grouped.why = False, f"{type(e).__name__}: {e}"
