@@ -204,6 +204,29 @@ def test_rope_compiled_into_one_pass_equals_the_eager_rotation(monkeypatch, inte
     assert c.Compiled.ok, c.Compiled.why
 
 
+def test_residual_add_and_norm_compiled_into_one_pass_equal_the_eager_ones(monkeypatch):
+    """The lean forward's residual add fused with the next RMSNorm (`_add_norm`, compiled for wide rows
+    on a GPU) equals the eager add and `F.rms_norm` in float32 (inductor's CPU code here), the sum and
+    the normalized rows both."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle3_assets.core import compiled as c
+    from eagle3_assets.core.lean_forward import _add_norm, _rms
+
+    monkeypatch.setattr(c.Compiled, "fns", {})
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    norm.weight.data = torch.randn(64)
+    for n in (50, 9):
+        h, delta = torch.randn(n, 64) * 3, torch.randn(n, 64)
+        got = c.compiled(_add_norm, h, delta, norm.weight, norm.variance_epsilon)
+        assert got is not None, c.Compiled.why
+        torch.testing.assert_close(got[0], h + delta, rtol=0, atol=0)
+        torch.testing.assert_close(got[1], _rms(norm, h + delta), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], norm(h + delta), rtol=1e-5, atol=1e-5)  # transformers' own module
+    assert c.Compiled.ok, c.Compiled.why
+
+
 def test_drafter_shape_from_each_family_config():
     """Llama/Qwen targets lend the drafter their head shape; an MLA target (DeepSeek-V3, Kimi-K2) has
     none to lend: 128-wide heads over the hidden size, 8 key-value heads."""
