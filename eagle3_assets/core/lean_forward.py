@@ -160,24 +160,21 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next RMSNorm, as transformers' RMSNorm computes it (float32 statistics,
-    normalized rows rounded to the dtype, then times the weight): (h + delta, norm(h + delta))."""
+    """(h + delta, the RMSNorm of h + delta): the residual add and the norm after it."""
     h = h + delta
-    x = h.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return h, weight * x.to(h.dtype)
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
 def _residual(h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, norm(h + delta)): on CUDA for rows at least ADD_NORM_COMPILED_WIDTH wide, one
-    compiled kernel that reads each row once (eager: an add, then the norm's own pass; 8% of the
-    Qwen3-MoE shape's forward on an H100)."""
+    """`_add_norm` with the norm module's weight: on CUDA for rows at least ADD_NORM_COMPILED_WIDTH
+    wide, one compiled kernel that reads each row once (eager: an add, then the norm's own pass; 8%
+    of the Qwen3-MoE shape's forward on an H100)."""
+    args = (h, delta, norm.weight, norm.variance_epsilon)
     if h.is_cuda and h.shape[-1] >= ADD_NORM_COMPILED_WIDTH:
-        y = compiled(_add_norm, h, delta, norm.weight, norm.variance_epsilon)
+        y = compiled(_add_norm, *args)
         if y is not None:
             return y
-    h = h + delta
-    return h, _rms(norm, h)
+    return _add_norm(*args)
 
 
 # As ROPE_COMPILED_WIDTH: wide targets' hidden rows (Qwen3-MoE's 2,048, DeepSeek-V3's 7,168); SmolLM2's
