@@ -588,7 +588,7 @@ def main() -> None:
         row(f"engine forward only (lean, packed {args.batch_tokens}), elementwise steps eager, no saving",
             tokens / t, f"{t:.1f} s")
     if args.profile:
-        from train_throughput import profile_steps  # the same kernel table as the training benchmark's
+        from kernel_profile import profile_steps  # the training benchmark's kernel table, without the trainer's imports
 
         packs = plan_packs([len(s[1]) for s in samples], args.batch_tokens)[:3]
         profile_steps(f"{args.arch} lean forward, one pack of {args.batch_tokens}",

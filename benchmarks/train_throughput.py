@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_assets.core import drafter as drafter_module  # noqa: E402
 from eagle3_assets.core.drafter import DrafterConfig  # noqa: E402
+from kernel_profile import profile_steps  # noqa: E402  (benchmarks/, the script's own folder)
 from eagle3_assets.core.train import (  # noqa: E402
     GraphedStep,
     TrainConfig,
@@ -108,29 +109,6 @@ def make_model(shape: dict, device: torch.device, seed: int):
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def profile_steps(name: str, step, batches: list, device: torch.device, out: Path) -> None:
-    """Where a step's time goes: the kernels' summed device time per step against the wall time
-    per step (a step whose kernels take far less than its wall time waits on the host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for batch in batches:
-            step(batch)
-        sync(device)
-    wall = (time.perf_counter() - t0) / len(batches)
-    events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events) / len(batches)
-    ops = sum(e.count for e in events if e.key.startswith("aten::")) / len(batches)
-    table = events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                         row_limit=30)
-    with out.open("a") as f:
-        f.write(f"## {name}: wall {wall * 1e3:.1f} ms/step (under the profiler), kernels {kernel_us / 1e3:.1f} ms/step, "
-                f"{ops:.0f} aten ops/step\n{table}\n\n")
-    print(f"{name}: profiled wall {wall * 1e3:.1f} ms/step, kernels {kernel_us / 1e3:.1f} ms/step", flush=True)
 
 
 def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int,
