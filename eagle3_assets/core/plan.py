@@ -323,19 +323,18 @@ def _duration(seconds: float | None) -> str:
 H200_BYTES = 141e9  # NVIDIA's H200 specification: 141 GB of HBM3e
 RESERVE_FRACTION = 0.10  # CUDA context, allocator fragmentation, kernels' workspaces: kept free
 
-# The one-GPU MoE rates of issue 21, measured 2026-12-06 on one H100 (an H200 has the same compute
+# The one-GPU MoE rates of issue 21, measured 2026-12-07 on one H100 (an H200 has the same compute
 # and faster memory: a lower bound for it): benchmarks/extract_throughput.py --arch deepseek_v3,
-# random bf16 weights, 256 samples of 256-2,048 tokens, the experts' elementwise steps compiled.
+# random bf16 weights, 256 samples of 256-2,048 tokens, every elementwise step compiled.
 # Replace them with a newer measurement of the same benchmark when there is one.
 # The H200's fsync'd sequential write rate (measured 2026-12-02): a GPU's files cannot go faster.
 DISK_CEILING_BYTES_PER_S = 1.30e9
 
 MEASURED_MOE = {
-    "source": "issue 21 / BENCHMARKS.md 2026-12-06: benchmarks/h200_moe.sh (extract_throughput.py --arch deepseek_v3) "
-              "on one H100 (bf16, random weights, 256 samples of 256-2,048 tokens, grouped-GEMM experts, "
-              "compiled elementwise steps)",
-    "forward_tokens_per_s": 64_092,
-    "files_tokens_per_s": 62_470,
+    "source": "issue 21 / BENCHMARKS.md 2026-12-07: benchmarks/extract_throughput.py --arch deepseek_v3 on one H100 "
+              "(bf16, random weights, 256 samples of 256-2,048 tokens, grouped-GEMM experts, compiled elementwise steps)",
+    "forward_tokens_per_s": 75_007,
+    "files_tokens_per_s": 72_666,
     "arch": "deepseek_v3",  # the shape measured: benchmarks/extract_throughput.py moe_config("deepseek_v3")
 }
 
