@@ -12,6 +12,11 @@ from pathlib import Path
 import torch
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def profile_steps(name: str, step, batches: list, device: torch.device, out: Path) -> None:
     """Where a step's time goes: the kernels' summed device time per step against the wall time
     per step (a step whose kernels take far less than its wall time waits on the host)."""
@@ -22,8 +27,7 @@ def profile_steps(name: str, step, batches: list, device: torch.device, out: Pat
     with profile(activities=activities) as prof:
         for batch in batches:
             step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
     wall = (time.perf_counter() - t0) / len(batches)
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events) / len(batches)

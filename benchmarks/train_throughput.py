@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_assets.core import drafter as drafter_module  # noqa: E402
 from eagle3_assets.core.drafter import DrafterConfig  # noqa: E402
-from kernel_profile import profile_steps  # noqa: E402  (benchmarks/, the script's own folder)
+from kernel_profile import profile_steps, sync  # noqa: E402  (benchmarks/, the script's own folder)
 from eagle3_assets.core.train import (  # noqa: E402
     GraphedStep,
     TrainConfig,
@@ -104,11 +104,6 @@ def make_model(shape: dict, device: torch.device, seed: int):
     t2d = torch.zeros(shape["vocab"], dtype=torch.bool)
     t2d[: shape["draft_vocab"]] = True
     return place_draft_model(config, embed, lm_head, d2t, t2d, device)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_path(name, cfg: TrainConfig, model0, lm_head, refs, cache, shape, device, warmup: int, steps: int,
