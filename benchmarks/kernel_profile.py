@@ -33,7 +33,7 @@ def profile_steps(name: str, step, batches: list, device: torch.device, out: Pat
     kernel_us = sum(e.self_device_time_total for e in events) / len(batches)
     ops = sum(e.count for e in events if e.key.startswith("aten::")) / len(batches)
     table = events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                         row_limit=30)
+                         row_limit=60)
     with out.open("a") as f:
         f.write(f"## {name}: wall {wall * 1e3:.1f} ms/step (under the profiler), kernels {kernel_us / 1e3:.1f} ms/step, "
                 f"{ops:.0f} aten ops/step\n{table}\n\n")
