@@ -8,7 +8,8 @@
 #
 # RG=dir (benchmarks/device_env.sh): wheels of reasoning-gym and its pure-Python needs plus pycosat's source (built there), for
 # the experiments that use generator:reasoning-gym/*. GRAPH=on|off skips the graph test. Limits (s): RUN_S (eagle3 run, 420),
-# SNAP_S (snapshots, 75), TESTS_S (the graph test, 60). KEEP=1: continue the last call's run (step 2).
+# SNAP_S (snapshots, 75), TESTS_S (the graph test, 60). TESTS_K: the tests of step 1 (pytest -k; e.g. "cuda or flash" for
+# all the trainer's CUDA tests). KEEP=1: continue the last call's run (step 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -23,7 +24,7 @@ case "${GRAPH:-}" in
   on) rc=0 ;;
   off) rc=1 ;;
   *) timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider eagle3_assets_tests/test_train_fast.py \
-       -k "cuda_graph_replays" > "$OUT/pytest.log" 2>&1
+       -k "${TESTS_K:-cuda_graph_replays}" > "$OUT/pytest.log" 2>&1
      rc=$?
      stamp "graph test exit $rc: $(tail -1 "$OUT/pytest.log")" ;;
 esac
