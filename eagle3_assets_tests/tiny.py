@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import polars as pl
 import torch
 from safetensors.torch import save_file
 
@@ -119,6 +118,8 @@ def write_hidden_state_shard(
         os.replace(tmp, path)
         rows.append({"row_id": row_id, "file": path.name, "tokens": len(input_ids), "bytes": path.stat().st_size})
     if manifest:
+        import polars as pl  # here, not at the top: the trainer's GPU tests run where polars is not installed
+
         pl.DataFrame(rows).write_parquet(shard_dir / "manifest.parquet")
     return shard_dir
 
