@@ -88,9 +88,9 @@ def test_the_fused_pointwise_math_traces_whole_and_gives_the_same_loss_and_gradi
     samples = make_samples("last_hidden", False)
     old = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
     with drafter.fused_pointwise(True, backend="aot_eager"):
-        assert drafter._ops["diag_merge_all"] is not drafter.diag_merge_all
+        assert drafter._ops["diag_merge_step"] is not drafter.diag_merge_step
         new = loss_and_grads(model, lm_head, samples, "math", loss_chunk_tokens=13)
-    assert drafter._ops["diag_merge_all"] is drafter.diag_merge_all  # put back after the block
+    assert drafter._ops["diag_merge_step"] is drafter.diag_merge_step  # put back after the block
     assert new[0] == pytest.approx(old[0], rel=1e-5, abs=1e-5)
     assert torch.equal(new[2], old[2])
     for name, g in old[3].items():

@@ -117,14 +117,11 @@ class DrafterConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Llama's RMSNorm; `out_dtype` casts the result inside the same (compiled) kernel, the cast
-    that an autocast matmul reading it would otherwise make as a pass of its own."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * x.to(dtype)
-    return y if out_dtype is None else y.to(out_dtype)
+    return weight * x.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -142,57 +139,61 @@ def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def diag_merge(q, out_p, lse_p, dks, dvs, scale: float):
     """The TTT attention's forward merge (`TTTAttention`): the prefix's out_p [N, H, D] and
-    lse_p [N, H] with the k diagonal keys/values dks/dvs [k, N, Hk, D] (stacked) through
-    log-sum-exp, all diagonals in one pass (`_ops["diag_merge_all"]`). Returns (out [N, H, D]
-    in q's dtype, lse [N, H], diagonal scores [k, N, H]), float32 math."""
-    return _ops["diag_merge_all"](q, out_p, lse_p, dks, dvs, scale)
+    lse_p [N, H] with the diagonal keys/values dks/dvs [N, Hk, D] through log-sum-exp, one
+    diagonal at a time (`_ops["diag_merge_step"]`: every step has the same shapes, so compiled it
+    is one kernel and one compilation for any count). Returns (out [N, H, D] in q's dtype, lse
+    [N, H], diagonal scores [steps, N, H]), float32 math."""
+    out, lse, scores = out_p.float(), lse_p.float().contiguous(), []
+    for dk, dv in zip(dks, dvs):
+        out, lse, s = _ops["diag_merge_step"](q, out, lse, dk, dv, scale)
+        scores.append(s)
+    return out.to(q.dtype), lse, torch.stack(scores)
 
 
-def diag_merge_all(q, out_p, lse_p, dk, dv, scale: float):
-    """lse = logsumexp(lse_p, s_1..s_k) and out = e^(lse_p - lse) out_p + sum_i e^(s_i - lse) dv_i
-    with s_i = q . dk_i scale. Query heads are grouped by their key-value head, [N, Hk, R, D]: a
-    diagonal key [N, Hk, D] broadcasts over its group, so no repeated copy of it is made. All k
-    diagonals at once: compiled, a few kernels per TTT step that read out_p and write out once,
-    where a loop over the diagonals read and wrote the float32 out k times (21 passes a step at
-    7 TTT steps: a fifth of the compiled step's GPU time on an H200)."""
+def diag_merge_step(q, out, lse, dk, dv, scale: float):
+    """One diagonal key/value merged into (out [N, H, D] float32, lse [N, H]): the new pair and the
+    diagonal's score. Query heads are grouped by their key-value head, [N, Hk, n_rep, D]: a
+    diagonal key [N, Hk, D] broadcasts over its group, so no repeated copy of it is made."""
     N, H, D = q.shape
-    K, _, Hk, _ = dk.shape
-    qg = q.float().reshape(N, Hk, H // Hk, D)
-    s = (qg[None] * dk.float()[:, :, :, None]).sum(-1) * scale  # [k, N, Hk, R]
-    lse_p = lse_p.float().reshape(N, Hk, H // Hk)
-    lse = torch.logaddexp(lse_p, torch.logsumexp(s, dim=0))
-    out = torch.exp(lse_p - lse)[..., None] * out_p.float().reshape(N, Hk, H // Hk, D) \
-        + (torch.exp(s - lse)[..., None] * dv.float()[:, :, :, None]).sum(0)
-    return out.reshape(N, H, D).to(q.dtype), lse.reshape(N, H), s.reshape(K, N, H)
+    Hk = dk.shape[1]
+    s = (q.float().reshape(N, Hk, -1, D) * dk.float()[:, :, None]).sum(-1).view(N, H) * scale
+    new_lse = torch.logaddexp(lse, s)
+    out = (torch.exp(lse - new_lse)[..., None] * out).view(N, Hk, -1, D) \
+        + torch.exp(s - new_lse).view(N, Hk, -1, 1) * dv.float()[:, :, None]
+    return out.view(N, H, D), new_lse, s
 
 
-def diag_merge_backward(q, dout, out, lse, dq, scores, dks, dvs, scale: float, fn=None):
+def diag_merge_backward(q, dout, out, lse, dq, scores, dks, dvs, scale: float, step=None):
     """The diagonal terms of `TTTAttention`'s backward: dq (the prefix's, [N, H, D]) plus
-    theirs, and the diagonal keys' and values' gradients [k, N, Hk, D] (`fn`:
-    `diag_merge_backward_all`, compiled when the forward ran so)."""
-    return (fn or diag_merge_backward_all)(q, dout, out, lse, dq, scores, dks, dvs, scale)
-
-
-def diag_merge_backward_all(q, dout, out, lse, dq, s, dk, dv, scale: float):
-    """All diagonals' share of the backward: row = sum(dout * out), p_i = e^(s_i - lse), ds_i =
-    p_i (dout.dv_i - row) scale; dq (float32) gains sum_i ds_i dk_i; the diagonal keys' and
-    values' gradients are ds_i q and p_i dout, summed over each key's query group."""
+    theirs, and each diagonal key's and value's gradient, one diagonal at a time (`step`:
+    `diag_merge_backward_step`, compiled when the forward ran so)."""
     N, H, D = q.shape
-    K, _, Hk, _ = dk.shape
-    qg, dout_g = q.float().reshape(N, Hk, H // Hk, D), dout.float().reshape(N, Hk, H // Hk, D)
-    row = (dout_g * out.float().reshape(N, Hk, H // Hk, D)).sum(-1)  # [N, Hk, R]
-    p = torch.exp(s.reshape(K, N, Hk, H // Hk) - lse.reshape(N, Hk, H // Hk))
-    ds = p * ((dout_g[None] * dv.float()[:, :, :, None]).sum(-1) - row) * scale  # [k, N, Hk, R]
-    dq = dq.float().reshape(N, Hk, H // Hk, D) + (ds[..., None] * dk.float()[:, :, :, None]).sum(0)
-    d_dk = (ds[..., None] * qg[None]).sum(3).to(dk.dtype)
-    d_dv = (p[..., None] * dout_g[None]).sum(3).to(dv.dtype)
-    return dq.reshape(N, H, D).to(q.dtype), d_dk, d_dv
+    Hk = dks[0].shape[1]
+    row = (dout.float() * out.float()).view(N, Hk, -1, D).sum(-1)  # [N, Hk, n_rep]
+    dq, d_dks, d_dvs, step = dq.float().contiguous(), [], [], step or diag_merge_backward_step
+    for i, (dk_i, dv_i) in enumerate(zip(dks, dvs)):
+        dq, d_dk, d_dv = step(q, dout, row, lse, dq, scores[i], dk_i, dv_i, scale)
+        d_dks.append(d_dk)
+        d_dvs.append(d_dv)
+    return dq.to(q.dtype), d_dks, d_dvs
+
+
+def diag_merge_backward_step(q, dout, row, lse, dq, s, dk, dv, scale: float):
+    """One diagonal's share of the backward: p = e^(s - lse), ds = p (dout.dv - row) scale; dq
+    (float32) gains ds dk; returns it with the diagonal key's and value's gradients."""
+    N, H, D = q.shape
+    Hk = dk.shape[1]
+    qg, dout_g = q.float().reshape(N, Hk, -1, D), dout.float().reshape(N, Hk, -1, D)
+    p = torch.exp(s - lse).view(N, Hk, -1)
+    ds = p * ((dout_g * dv.float()[:, :, None]).sum(-1) - row) * scale
+    dq = (dq.view(N, Hk, -1, D) + ds[..., None] * dk.float()[:, :, None]).view(N, H, D)
+    return dq, (ds[..., None] * qg).sum(2).to(dk.dtype), (p[..., None] * dout_g).sum(2).to(dv.dtype)
 
 
 # The layer's elementwise math goes through this table. `fused_pointwise()` (training.compile on
 # CUDA) swaps in torch.compile'd versions: each becomes a kernel or two instead of 5-40 launches
 # over [N, H] float32 tensors (such launches were a third of the CUDA-graphed step's GPU time).
-_POINTWISE = {f.__name__: f for f in (rms_norm, apply_rope, silu_gate, diag_merge_all, diag_merge_backward_all)}
+_POINTWISE = {f.__name__: f for f in (rms_norm, apply_rope, silu_gate, diag_merge_step, diag_merge_backward_step)}
 _ops = dict(_POINTWISE)
 _compiled: dict[str, dict] = {}
 
@@ -219,23 +220,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _ops["rms_norm"](x, self.weight, self.eps, out_dtype)
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype an autocast matmul would cast `x` to (None: autocast is off). Layer outputs that
-    only feed matmuls are made in it, so no separate activation-sized cast runs (forward or backward)."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-
-
-def fused_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """x through several bias-free linears that all read it, as one matmul over their stacked
-    weights (one read of x, and in the backward one gradient of x where autograd summed several);
-    the outputs are views of one tensor. The modules, and so the checkpoint keys, stay as they are."""
-    out = F.linear(x, torch.cat([layer.weight for layer in layers]))
-    return out.split([layer.out_features for layer in layers], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ops["rms_norm"](x, self.weight, self.eps)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -332,8 +318,9 @@ class Eagle3Attention(nn.Module):
         """TTT on one packed row x [1, N, 2H] (cos/sin [N, D]): step 0 fills the prefix keys,
         a step >= 1 adds its diagonal keys; `TTTAttention` attends without a score matrix."""
         N = x.shape[1]
-        q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (t.view(N, -1, self.head_dim) for t in (q, k, v))
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q, k = _ops["apply_rope"](q, cos, sin), _ops["apply_rope"](k, cos, sin)
         if diagonal:
@@ -538,8 +525,7 @@ class TTTAttention(torch.autograd.Function):
         flash = geo.impl == "flash"  # still: the op ran (else it fell back to the math path)
         lse_p = (_flash_lse_unpadded(raw_lse, geo) if flash else raw_lse).transpose(0, 1)  # [N, H]
         steps = len(diag) // 2
-        # one [k, N, Hk, D] copy of the diagonal keys and of the values: the merge reads them at once
-        dks, dvs = (torch.stack(diag[:steps]), torch.stack(diag[steps:])) if steps else (None, None)
+        dks, dvs = diag[:steps], diag[steps:]
         if steps:
             out, lse, diag_scores = diag_merge(q, out_p, lse_p, dks, dvs, scale)
         else:
@@ -547,22 +533,23 @@ class TTTAttention(torch.autograd.Function):
         merged_lse = lse.transpose(0, 1).contiguous()
         if flash:
             merged_lse = _flash_lse_like(merged_lse, raw_lse, geo)
-        ctx.save_for_backward(q, k, v, out, merged_lse, lse, diag_scores, dks, dvs)
+        ctx.save_for_backward(q, k, v, out, merged_lse, lse, diag_scores, *diag)
         ctx.geo, ctx.scale, ctx.steps, ctx.flash = geo, scale, steps, flash
-        ctx.backward_fn = _ops["diag_merge_backward_all"]  # compiled or not, as the forward ran
+        ctx.backward_step = _ops["diag_merge_backward_step"]  # compiled or not, as the forward ran
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, merged_lse, lse, diag_scores, dks, dvs = ctx.saved_tensors
+        q, k, v, out, merged_lse, lse, diag_scores, *diag = ctx.saved_tensors
         steps, scale, geo = ctx.steps, ctx.scale, ctx.geo
         dout = dout.to(q.dtype)
         prefix_backward = _flash_prefix_backward if ctx.flash else _math_prefix_backward
         dq, dk, dv = prefix_backward(dout, q, k, v, out, merged_lse, geo, scale)
         if not steps:
             return dq, dk, dv, None, None
-        dq, d_dks, d_dvs = diag_merge_backward(q, dout, out, lse, dq, diag_scores, dks, dvs, scale, ctx.backward_fn)
-        return dq, dk, dv, None, None, *d_dks.unbind(0), *d_dvs.unbind(0)
+        dq, d_dks, d_dvs = diag_merge_backward(q, dout, out, lse, dq, diag_scores, diag[:steps], diag[steps:], scale,
+                                               ctx.backward_step)
+        return dq, dk, dv, None, None, *d_dks, *d_dvs
 
 
 class Eagle3MLP(nn.Module):
@@ -574,10 +561,9 @@ class Eagle3MLP(nn.Module):
         self.act_fn = getattr(F, config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_linear(x, self.gate_proj, self.up_proj)
         if self.act_fn is F.silu:
-            return self.down_proj(_ops["silu_gate"](gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
+            return self.down_proj(_ops["silu_gate"](self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -592,12 +578,11 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_embeds, hidden_states, cos, sin, cache: DrafterCache, diagonal: bool):
-        low = autocast_dtype(hidden_states)  # the norms feed only matmuls: made in their dtype
         residual = hidden_states  # the residual stream is the fc output (or the previous step's)
-        x = torch.cat((self.input_layernorm(input_embeds, low), self.hidden_norm(hidden_states, low)), dim=-1)
+        x = torch.cat((self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)), dim=-1)
         hidden_states = residual + self.self_attn(x, cos, sin, cache, diagonal)
         residual = hidden_states
-        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states, low))
+        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states
 
 

@@ -107,11 +107,10 @@ class PackedTeacher:
     the draft vocabulary (for accuracy)."""
 
     def __init__(self, in_draft: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor | None = None,
-                 topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0,
-                 lse: torch.Tensor | None = None):
+                 topk: tuple[torch.Tensor, torch.Tensor] | None = None, draft_vocab_size: int = 0):
         self.in_draft, self.argmax, self.logits, self.topk = in_draft, argmax, logits, topk
         self.draft_vocab_size = draft_vocab_size
-        self.lse = teacher_stats(logits)[0] if lse is None and logits is not None else lse
+        self.lse = None if logits is None else _logsumexp_rows(logits)
         self.rows = in_draft.shape[0]
 
     def shifted(self, shift: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,33 +132,28 @@ class PackedTeacher:
         return topk_distribution(ids.index_select(0, index), logprobs.index_select(0, index), self.draft_vocab_size)
 
 
-def teacher_stats(logits: torch.Tensor, compiled: bool = False, chunk_tokens: int = 4096
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 log-sum-exp, argmax) of each row of the teacher's logits, a chunk of rows at a
-    time (eager: the float32 copy of a chunk, not of the row; compiled: one pass that reads the
-    bf16 logits once for both, where eager cast, reduced and took the argmax in three)."""
-    fn = _ce_functions(compiled)["teacher_stats"]
-    parts = [fn(logits[s : s + chunk_tokens]) for s in range(0, logits.shape[0], chunk_tokens)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+def _logsumexp_rows(logits: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    return torch.cat([torch.logsumexp(logits[s : s + chunk_tokens].float(), dim=-1)
+                      for s in range(0, logits.shape[0], chunk_tokens)])
 
 
 @torch.no_grad()
 def packed_teacher(batch: dict[str, torch.Tensor], lm_head: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int,
-                   chunk_tokens: int = 4096, draft_head: torch.Tensor | None = None,
-                   compiled: bool = False) -> PackedTeacher:
+                   chunk_tokens: int = 4096, draft_head: torch.Tensor | None = None) -> PackedTeacher:
     """`teacher_distribution` for a packed row (batch tensors [N, ...]), without the float32 [N, V].
-    `draft_head`: lm_head[t2d], made beforehand (a CUDA graph cannot make it: its size is data).
-    `compiled`: the logits' log-sum-exp and argmax in one compiled pass (`teacher_stats`)."""
+    `draft_head`: lm_head[t2d], made beforehand (a CUDA graph cannot make it: its size is data)."""
     if "last_hidden_state" in batch:
         flat = batch["last_hidden_state"].to(lm_head.dtype)
         draft_head = lm_head[t2d] if draft_head is None else draft_head
-        in_draft = batch.get("target_in_draft")  # preloaded samples carry it (`add_target_in_draft`)
-        if in_draft is None:
-            in_draft = torch.cat([t2d[(flat[a : a + chunk_tokens] @ lm_head.T).argmax(-1)]
-                                  for a in range(0, flat.shape[0], chunk_tokens)])
-        logits = flat @ draft_head.T  # [N, V] in the head's dtype: one product, no chunks to join
-        lse, argmax = teacher_stats(logits, compiled, chunk_tokens)
-        return PackedTeacher(in_draft.bool(), argmax, logits=logits, lse=lse)
+        cached = batch.get("target_in_draft")  # preloaded samples carry it (`add_target_in_draft`)
+        logits, in_draft = [], []
+        for start in range(0, flat.shape[0], chunk_tokens):
+            h = flat[start : start + chunk_tokens]
+            if cached is None:
+                in_draft.append(t2d[(h @ lm_head.T).argmax(-1)])
+            logits.append(h @ draft_head.T)
+        logits = torch.cat(logits)
+        return PackedTeacher(torch.cat(in_draft) if cached is None else cached.bool(), logits.argmax(-1), logits=logits)
     if "topk_ids" in batch:
         ids, logprobs = batch["topk_ids"], batch["topk_logprobs"]
         # the dense distribution's argmax: the first of the ids with the largest probability
@@ -210,13 +204,8 @@ def _ce_fused_logits_at(z, t_all, lse_all, index, w):
     return _ce_fused_logits(z, t_all[index], lse_all[index], w)
 
 
-def _ce_teacher_stats(t):
-    """(float32 log-sum-exp, argmax) per row of the teacher's logits t (`teacher_stats`)."""
-    return torch.logsumexp(t.float(), dim=-1), t.argmax(-1)
-
-
 _CE_EAGER = {f.__name__[4:]: f for f in (_ce_forward_logits, _ce_forward_probs, _ce_fused_logits, _ce_fused_probs,
-                                          _ce_forward_logits_at, _ce_fused_logits_at, _ce_teacher_stats)}
+                                          _ce_forward_logits_at, _ce_fused_logits_at)}
 _ce_compiled: dict | None = None
 
 
@@ -377,7 +366,7 @@ def packed_ttt_loss(
             include, hidden_rows, shifted = included[k], hidden, s if teacher.logits is not None else teacher_rows
         else:
             include, hidden_rows, shifted = included[k].index_select(0, rows), hidden.index_select(0, rows), teacher_rows
-        loss, argmax = ChunkedSoftCrossEntropy.apply(model.norm(hidden_rows, compute_dtype), weight,
+        loss, argmax = ChunkedSoftCrossEntropy.apply(model.norm(hidden_rows).to(compute_dtype), weight,
                                                      include.float() / count.clamp(min=1), teacher, shifted,
                                                      chunk_tokens, compiled)
         total = total + loss_decay**k * loss
