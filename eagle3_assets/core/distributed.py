@@ -70,3 +70,12 @@ def setup(device: str = "auto") -> Dist:
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return Dist(rank, world, dev)
+
+
+def leave() -> None:
+    """Leave the process group before the process exits. A rank that exits with it open can die
+    of SIGABRT ("terminate called without an active exception": gloo's worker threads are torn
+    down with the interpreter), which fails the launch after its work is done. Called only after
+    a job succeeded: a rank whose peers failed mid-collective could wait here forever."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

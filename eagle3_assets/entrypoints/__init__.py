@@ -26,7 +26,7 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
     reports as it goes. A params class with a `from_json` classmethod parses its own JSON."""
     from dagster_pipes import open_dagster_pipes
 
-    from ..core import stopping
+    from ..core import distributed, stopping
     from ..core.config import from_json
 
     # SIGTERM/SIGINT: stop at the next safe point with the work saved; the parent's death sends SIGTERM.
@@ -36,6 +36,7 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
     params = params_cls.from_json(text) if hasattr(params_cls, "from_json") else from_json(params_cls, text)
     if int(os.environ.get("RANK", 0)) != 0:
         work(params, stderr_log, None) if stream else work(params, stderr_log)
+        distributed.leave()
         return
     from dagster_pipes import PipesEnvVarParamsLoader
 
@@ -51,6 +52,7 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
                 stderr_log(msg)
 
         report(pipes, params, work(params, log, pipes) if stream else work(params, log))
+    distributed.leave()
 
 
 def pipes_metadata(metadata: dict) -> dict:
