@@ -77,17 +77,18 @@ def packed_forward_on_device(model, target_head, t2d, draft_vocab_size: int, bat
     row; `packed_ttt_loss`'s static_rows), and autocast keeps no cache of cast weights (a graph
     must recast them on every replay); `draft_head` as in `packed_teacher`."""
     batch = dequantize_features(batch)
+    compiled = cfg.compile and device.type == "cuda"
     teacher = packed_teacher(batch, target_head, t2d, draft_vocab_size, draft_head=draft_head)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda",
                         cache_enabled=not static), \
-            drafter_module.fused_pointwise(cfg.compile and device.type == "cuda"):
+            drafter_module.fused_pointwise(compiled):
         step_hidden = model(batch["input_ids"], batch["aux_hidden_states"].to(torch.float32), steps=cfg.ttt_steps,
                             cu_seqlens=batch["cu_seqlens"], positions=batch["positions"], max_len=max_len,
                             attention=impl)
         drafter = model.module if hasattr(model, "module") else model
         return packed_ttt_loss(step_hidden, drafter, teacher, batch["loss_mask"], batch["sample_end"], cfg.loss_decay,
-                               cfg.loss_chunk_tokens, compute_dtype, cfg.compile and device.type == "cuda",
+                               cfg.loss_chunk_tokens, compute_dtype, compiled,
                                static_rows=head_rows if static else None)
 
 
