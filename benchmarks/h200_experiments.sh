@@ -10,7 +10,8 @@
 # reasoning-gym), e_fp8 and e_fp8_topk (d's data in fp8 files, and with the top-k teacher), f (d +
 # requests the target writes itself), a600 and d600 (a and d with 600 s of training), g (a600 +
 # 5,000 requests the target writes itself), a600_lr1e3 and a300_lr1e3 (a600 and a at twice the peak learning
-# rate), a300_lr2e3 (the preset at twice its peak rate). Each has its own
+# rate), a300_lr2e3 (the preset at twice its peak rate), h300 (the preset + 30,000 requests the
+# target writes itself, in fp8: about 3x the preset's tokens in 300 s of training). Each has its own
 # storage_root (/tmp/e3x/<variant>); a variant whose run finished deletes its hidden states
 # afterwards (KEEP=1 keeps them) so the next one fits the 64 GB disk; the instance (.eagle3/)
 # keeps every materialization for the report.
