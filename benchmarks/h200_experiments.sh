@@ -26,7 +26,9 @@
 # hidden_states,vocab_map, so that training starts on the next call and compiles once; default all).
 # RG=dir: reasoning-gym for d, d600, e_* and f (benchmarks/device_env.sh installs it once).
 # On a lent machine with 10-minute calls, run one variant a call with e.g. DATA_S=180 RUN_S=360:
-# what a limit stops continues on the next call.
+# what a limit stops continues on the next call. END_S: the second (from this script's start) by
+# which both runs must have stopped; each limit is cut to what is left of it (so RUN_S can be the
+# rest of a call whatever the data step took).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -34,13 +36,18 @@ cd "$(dirname "$0")/.."
 for v in "$@"; do [ -f "benchmarks/h200_exp_$v.yaml" ] || { echo "no benchmarks/h200_exp_$v.yaml"; exit 2; }; done
 SESSION_LOG=experiments_session.log
 source benchmarks/device_env.sh
+left() {  # the limit $1, cut to what is left of END_S (at least 1 s)
+  local n=$1
+  if [ -n "${END_S:-}" ]; then local r=$((END_S - ($(date +%s) - t0))); [ $r -lt $n ] && n=$r; [ $n -lt 1 ] && n=1; fi
+  echo $n
+}
 stamp "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1); disk: $(df -h /tmp | tail -1)"
 
 for v in "$@"; do
   settings=benchmarks/h200_exp_$v.yaml
   root=$(python3 -c "import sys; from eagle3_assets.settings import load_settings; print(load_settings(sys.argv[1]).root)" "$settings")
   stamp "$v: prompts and generations ($settings, storage $root)"
-  timeout -s TERM "${DATA_S:-1800}" python3 -m eagle3_assets.cli run --settings "$settings" --select prompts,generations \
+  timeout -s TERM "$(left "${DATA_S:-1800}")" python3 -m eagle3_assets.cli run --settings "$settings" --select prompts,generations \
     > "$OUT/eagle3_run_$v.log" 2>&1
   rc=$?; stamp "$v: data exit $rc"
   [ $rc -eq 0 ] || { grep -v " - DEBUG - " "$OUT/eagle3_run_$v.log" | tail -20; continue; }
@@ -50,7 +57,7 @@ for v in "$@"; do
     stamp "$v: plan from the generations: fits, bytes = $fits"
     case "$fits" in True*) ;; *) stamp "$v: not run further (see plan_$v.json / plan_$v.err)"; continue ;; esac
   fi
-  timeout -s TERM "${RUN_S:-1800}" python3 -m eagle3_assets.cli run --settings "$settings" ${SELECT:+--select "$SELECT"} \
+  timeout -s TERM "$(left "${RUN_S:-1800}")" python3 -m eagle3_assets.cli run --settings "$settings" ${SELECT:+--select "$SELECT"} \
     >> "$OUT/eagle3_run_$v.log" 2>&1
   rc=$?; stamp "$v: eagle3 run exit $rc"
   grep -v " - DEBUG - " "$OUT/eagle3_run_$v.log" | tail -12
