@@ -13,7 +13,8 @@
 # rate), a300_lr2e3 (the preset at twice its peak rate), h300 (the preset + 30,000 requests the
 # target writes itself, in fp8: about 3x the preset's tokens in 300 s of training), h600 (h300's files
 # trained 600 s: KEEP=1 ... h300 h600), i300 (h300 with 60,000 such requests), j300 (h300 with
-# 50,000 such requests), j600 (j300's files trained 600 s, the time the tau-per-minute curve picked). Each has its own
+# 50,000 such requests), j600 (j300's files trained 600 s, the time the tau-per-minute curve picked),
+# h300_lr2e3 (h300 at twice its peak rate). Each has its own
 # storage_root (/tmp/e3x/<variant>); a variant whose run finished deletes its hidden states
 # afterwards (KEEP=1 keeps them) so the next one fits the 64 GB disk; the instance (.eagle3/)
 # keeps every materialization for the report.
