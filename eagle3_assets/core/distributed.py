@@ -6,7 +6,9 @@ of a world of 1 and never touches torch.distributed.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +75,17 @@ def setup(device: str = "auto") -> Dist:
 
 
 def leave() -> None:
-    """Leave the process group before the process exits. A rank that exits with it open can die
-    of SIGABRT ("terminate called without an active exception": gloo's worker threads are torn
-    down with the interpreter), which fails the launch after its work is done. Called only after
-    a job succeeded: a rank whose peers failed mid-collective could wait here forever."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    """Leave the process group and end the process, once a job has succeeded (its files written,
+    its Pipes session closed). A rank that runs the interpreter's normal teardown after gloo can
+    still die of SIGABRT ("terminate called without an active exception": a C++ thread destroyed
+    with the interpreter), which fails the launch after its work is done; destroying the group
+    first made that rarer, not gone. So a rank of a group exits at once after flushing its output:
+    nothing of ours is left to tear down. A process not in a group returns normally. Not called on
+    failure: a rank whose peers failed mid-collective could wait here forever."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
