@@ -97,20 +97,27 @@ def _message(err: dict) -> str:
     return f"unknown key (the keys here are: {', '.join(keys)})"
 
 
-def load_settings(path: str | os.PathLike | None = None) -> Settings:
-    """Settings from a YAML file; None loads the embedded demo."""
+PRESET_PREFIX = "preset:"
+
+
+def load_settings(path: str | os.PathLike | None = None, _chain: tuple[Path, ...] = ()) -> Settings:
+    """Settings from a YAML file; None loads the embedded demo. A file may start from another
+    (`extends: base.yaml`, relative to the file, or `extends: preset:gpu`): the base's settings,
+    with this file's keys over them (a section merges key by key; a list or value replaces)."""
     path = Path(path) if path else DEMO_SETTINGS
     if not path.is_file():
-        raise SettingsError(f"settings file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise SettingsError(f"settings file {path} is not UTF-8 text (line {line}, byte {e.start}: {e.reason})") from None
-    except yaml.YAMLError as e:
-        raise SettingsError(f"settings file {path} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise SettingsError(f"settings file {path} must hold a mapping, got {type(raw).__name__}")
+        raise SettingsError(f"settings file {path} does not exist"
+                            + (f" (named by extends: in {_chain[-1]})" if _chain else ""))
+    raw = _read_mapping(path)
+    if "extends" in raw:
+        base_path = _base_path(raw.pop("extends"), path)
+        chain = (*_chain, path.resolve())
+        if base_path.resolve() in chain:
+            raise SettingsError(f"settings file {path}: extends: makes a loop "
+                                f"({' -> '.join(str(p) for p in (*chain, base_path.resolve()))})")
+        # The base loads as a whole, its relative paths placed against its own folder, so they
+        # stay right in a file elsewhere; what is left relative comes from this file.
+        raw = _merged(load_settings(base_path, chain).model_dump(mode="json"), raw)
     try:
         settings = Settings(**raw)
     except ValidationError as e:
@@ -122,6 +129,42 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     settings = _paths_relative_to(settings, Path.cwd() if is_preset(path) else path.parent)
     _check_target(settings, path)
     return settings
+
+
+def _read_mapping(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise SettingsError(f"settings file {path} is not UTF-8 text (line {line}, byte {e.start}: {e.reason})") from None
+    except yaml.YAMLError as e:
+        raise SettingsError(f"settings file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise SettingsError(f"settings file {path} must hold a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _base_path(value, path: Path) -> Path:
+    """The file that `extends:` names: a path relative to the naming file, or a packaged preset."""
+    presets = sorted(p.stem for p in DEMO_SETTINGS.parent.glob("*.yaml"))
+    if not isinstance(value, str) or not value:
+        raise SettingsError(f"settings file {path}: extends: must name a settings file "
+                            f"(a path, or one of {', '.join(PRESET_PREFIX + n for n in presets)}), got {value!r}")
+    if value.startswith(PRESET_PREFIX):
+        name = value[len(PRESET_PREFIX):]
+        if name not in presets:
+            raise SettingsError(f"settings file {path}: extends: {value} is not a preset "
+                                f"(presets: {', '.join(PRESET_PREFIX + n for n in presets)})")
+        return DEMO_SETTINGS.parent / f"{name}.yaml"
+    return path.parent / Path(value).expanduser()
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over`'s keys over `base`'s; where both hold a mapping, merged the same way."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
 
 
 def is_preset(path: Path) -> bool:

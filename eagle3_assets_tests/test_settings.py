@@ -133,3 +133,61 @@ def test_eagle3_prints_a_settings_error_in_one_line_and_exits_2(tmp_path, monkey
         out = capsys.readouterr()
         assert out.out == "" and out.err == (f"eagle3 {command}: settings file eagle3.yaml is invalid:\n"
                                               "  shard_size: Input should be greater than or equal to 1\n")
+
+
+def test_extends_starts_from_another_file_and_merges_sections_key_by_key(tmp_path):
+    base_dir, child_dir = tmp_path / "base", tmp_path / "exp"
+    base_dir.mkdir(), child_dir.mkdir()
+    (base_dir / "base.yaml").write_text(
+        "storage_root: data\nprompts_source: [embedded:sharegpt, embedded:chitchat]\nshard_size: 500\n"
+        "training: {lr: 2.0e-4, epochs: 3, time_budget_s: 100}\n")
+    (child_dir / "child.yaml").write_text(
+        "extends: ../base/base.yaml\nprompts_source: [embedded:chitchat]\ntraining: {time_budget_s: 600}\n")
+    s = load_settings(child_dir / "child.yaml")
+    assert s.training.time_budget_s == 600 and s.training.lr == 2.0e-4 and s.training.epochs == 3  # merged
+    assert s.prompts_source == ["embedded:chitchat"]  # a list replaces the base's
+    assert s.shard_size == 500
+    assert s.root == base_dir / "data"  # the base's relative path stays the base's
+    (child_dir / "child.yaml").write_text("extends: ../base/base.yaml\nstorage_root: mine\n")
+    assert load_settings(child_dir / "child.yaml").root == child_dir / "mine"  # this file's is this file's
+
+
+def test_extends_a_preset_by_name(tmp_path):
+    from eagle3_assets.settings import GPU_SETTINGS
+
+    f = tmp_path / "s.yaml"
+    f.write_text("extends: preset:gpu\n")
+    assert load_settings(f) == load_settings(GPU_SETTINGS)
+    f.write_text("extends: preset:gpu\ntraining: {time_budget_s: 60}\n")
+    assert load_settings(f).training.time_budget_s == 60
+    assert load_settings(f).generation == load_settings(GPU_SETTINGS).generation
+
+
+@pytest.mark.parametrize("text, message", [
+    ("extends: nowhere.yaml\n", r"nowhere.yaml does not exist \(named by extends: in .*s.yaml\)"),
+    ("extends: preset:huge\n", r"extends: preset:huge is not a preset \(presets: preset:demo, preset:gpu\)"),
+    ("extends: [a.yaml]\n", r"extends: must name a settings file \(a path, or one of preset:demo, preset:gpu\), got \['a.yaml'\]"),
+    ("extends: s.yaml\n", r"extends: makes a loop \(.*s.yaml -> .*s.yaml\)"),
+])
+def test_a_bad_extends_is_a_settings_error(tmp_path, text, message):
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(f)
+
+
+def test_an_error_in_a_base_names_the_base(tmp_path):
+    (tmp_path / "base.yaml").write_text("shard_szie: 10\n")
+    (tmp_path / "s.yaml").write_text("extends: base.yaml\n")
+    with pytest.raises(SettingsError, match=r"base.yaml is invalid:\n  shard_szie: unknown key"):
+        load_settings(tmp_path / "s.yaml")
+
+
+def test_every_benchmark_settings_file_loads():
+    """The experiment files extend one another: a broken link fails here, not on a lent GPU."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.yaml"))
+    assert len(files) > 20
+    for f in files:
+        load_settings(f)
