@@ -243,3 +243,57 @@ def test_the_padded_batch_fallback_runs_quantized_modules_too(checkpoints, case,
                     aux_layer_ids=LAYER_IDS, dtype=torch.float32, batch_tokens=120, writer_threads=2,
                     metadata={"format_version": "1"}, lean=False)
     assert_files_equal_transformers(ref_dir, tmp_path / "gens.parquet", tmp_path / "shard")
+
+
+def test_expert_shares_cover_every_expert_once():
+    from eagle3_assets.core.quantized import expert_share
+
+    for experts, world in ((8, 2), (8, 3), (256, 8), (5, 8)):
+        shares = [expert_share(experts, r, world) for r in range(world)]
+        assert shares[0][0] == 0 and shares[-1][1] == experts
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+        assert max(hi - lo for lo, hi in shares) - min(hi - lo for lo, hi in shares) <= 1
+
+
+def test_each_rank_reads_and_holds_only_its_share_of_the_experts(checkpoints):
+    """Three ranks' shares of 8 experts (2, 3, 3): together the whole layer's dequantized weights,
+    each holding its share of the experts' bytes and everything else whole."""
+    qdir, _ = checkpoints["int4_qwen3_moe"]
+    whole = load_quantized_base(qdir, torch.float32)
+    parts = [load_quantized_base(qdir, torch.float32, expert_shard=(r, 3)) for r in range(3)]
+    experts = whole.layers[1].mlp.experts
+    assert [p.layers[1].mlp.experts.expert_range for p in parts] == [(0, 2), (2, 5), (5, 8)]
+    for (lo, hi), p in zip([(0, 2), (2, 5), (5, 8)], parts):
+        for got, want in zip(p.layers[1].mlp.experts.weights(lo, hi, torch.float32), experts.weights(lo, hi, torch.float32)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    expert_bytes = sum(held_bytes(m) for m in whole.modules() if isinstance(m, QuantExperts))
+    assert sum(held_bytes(p) for p in parts) == 3 * held_bytes(whole) - 2 * expert_bytes
+
+
+@pytest.mark.parametrize("case", ["int4_qwen3_moe", "fp8_deepseek_v3"])
+def test_a_quantized_checkpoint_extracts_over_two_gloo_ranks_with_the_experts_split(checkpoints, case, tmp_path):
+    """parallel: tensor on a quantized checkpoint: each rank holds half the routed experts, the packed
+    forward sums the ranks' rows per layer (an all-reduce), rank 0 writes: the files equal the
+    dequantized model's up to float32 summation order."""
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from eagle3_assets.core.extract_job import ExtractShards
+    from eagle3_assets.core.sample_files import MANIFEST
+
+    qdir, ref_dir = checkpoints[case]
+    gens = tmp_path / "g.parquet"
+    write_generations(gens, n=6, seed=11)
+    params = ExtractShards([extract_job(generations_path=str(gens), shard_dir=str(tmp_path / "ep"), model_dir=str(qdir),
+                                        target_name=case, aux_layer_ids=LAYER_IDS, dtype="float32", device="cpu",
+                                        batch_tokens=64, parallel="tensor")])
+    env = {**os.environ, "EAGLE3_JOB_PARAMS": json.dumps(asdict(params)), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "eagle3_assets.entrypoints.extract_hidden_states"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "packed forward" in p.stderr and "expert parallel: each of 2 ranks" in p.stderr
+    assert (tmp_path / "ep" / MANIFEST).is_file() and len(list((tmp_path / "ep").glob("*.safetensors"))) == 6
+    assert_files_equal_transformers(ref_dir, gens, tmp_path / "ep", rtol=1e-4, atol=1e-4)

@@ -3,7 +3,8 @@
 Plain Python: the Pipes entry point (`eagle3_assets.entrypoints.extract_hidden_states`) passes it
 the shards and a logger, and reports what it returns for each. Under `torchrun` every rank
 loads the model and extracts its share of each shard's rows (data parallel), or all ranks
-run one model sharded over them (tensor parallel, rank 0 writes); rank 0 writes each
+run one model sharded over them (tensor parallel, rank 0 writes; a quantized checkpoint's routed
+experts are split between the ranks, the rest whole: expert parallel); rank 0 writes each
 manifest last and measures the shard.
 
 Several shards go through one model load (a multi-partition run: a big target loads once,
@@ -54,7 +55,7 @@ from .sample_files import (
     sample_file,
     write_manifest,
 )
-from .target import DTYPES, check_aux_layer_ids, load_model, load_target_head, resolve_target
+from .target import DTYPES, check_aux_layer_ids, load_model, load_target_head, quantization_of, resolve_target
 from .vocab import load_vocab_map, vocab_map_fingerprint
 
 
@@ -71,6 +72,8 @@ class ExtractConfig:
     batch_tokens: PositiveInt = 16384  # tokens per packed forward
     writer_threads: PositiveInt = 4
     nproc: PositiveInt = 1  # > 1 launches torchrun
+    # data: a whole model per rank; tensor: one model over the ranks (transformers' plan, or for a
+    # quantized checkpoint its routed experts split between them)
     parallel: Literal["data", "tensor"] = "data"
     progress_every_s: PositiveFloat = 5.0
 
@@ -332,7 +335,10 @@ class _Target:
         self.writes = self.dist.main or not self.tensor  # tensor parallel: rank 0 writes
         self.teacher = None
         # The lean forward reads whole weight matrices; sharded ones go through the model's own forward.
-        self.lean = False if self.tensor else None
+        # A quantized checkpoint shards its routed experts only (expert parallel), which the lean
+        # forward runs (`moe.routed_experts` sums the ranks' shares).
+        self.experts_split = self.tensor and quantization_of(self.model_dir) is not None
+        self.lean = False if self.tensor and not self.experts_split else None
         self.model, self.model_load_s, self.warmup_s, self.shards = None, 0.0, 0.0, 0
 
     def load(self, shards: int) -> None:
@@ -349,7 +355,9 @@ class _Target:
         if self.lean is None:
             self.lean = lean_supported(self.model)
         if self.dist.main:
-            forward = (f"packed forward, attention {attention_path(self.dist.device, self.dtype)}" if self.lean else
+            forward = (f"packed forward, attention {attention_path(self.dist.device, self.dtype)}"
+                       + (f" (expert parallel: each of {self.dist.world} ranks holds its share of the routed experts)"
+                          if self.experts_split else "") if self.lean else
                        "transformers forward over right-padded batches" + (
                            " (tensor parallel)" if self.tensor else f" ({type(self.model).__name__} has no packed forward)"))
             self.log(f"device ready in {self.cuda_init_s:.1f} s, model loaded in {self.model_load_s:.1f} s, warmed up in "
@@ -471,7 +479,7 @@ def _extract(job: ExtractJob, plan: _Plan, target: _Target, log: Callable[[str],
         "aux_layer_ids": aux_ids,
         "dtype": cfg.dtype,
         "processes": dist.world,
-        "parallel": cfg.parallel if dist.world > 1 else "none",
+        "parallel": ("expert" if target.experts_split else cfg.parallel) if dist.world > 1 else "none",
         "device": str(dist.device.type),
         "hidden_size": hidden,
         "forward": "packed" if target.lean else "padded_batches",

@@ -68,9 +68,14 @@ def expert_weights(experts, e0: int, e1: int, dtype: torch.dtype) -> tuple[torch
 
 
 def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * expert_{idx[t, k]}(x[t]) for the rows x [N, H]: the routed part of the MoE."""
+    """sum_k w[t, k] * expert_{idx[t, k]}(x[t]) for the rows x [N, H]: the routed part of the MoE.
+    Experts that hold a share only (`expert_range`, expert parallel) run the rows routed to their
+    share, zeros stand for the rest, and the ranks' sums are added by one all-reduce; every rank
+    runs the same rows, so each reaches it once per layer."""
     n, k = top_k_index.shape
     num = experts.num_experts
+    lo, hi = getattr(experts, "expert_range", (0, num))
+    partial = (lo, hi) != (0, num)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # each expert's rows contiguous, in token order
     xs = x[order // k]
@@ -78,14 +83,14 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     counts = torch.zeros(num, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     chunk = getattr(experts, "experts_per_chunk", num) or num
     grouped = moe_path(x.device, x.dtype) == "grouped_mm"
-    if grouped and chunk >= num:
+    if grouped and chunk >= num and not partial:
         out = _grouped_chunk(experts, xs, counts, 0, num, x.dtype)
     else:
-        out = torch.empty(xs.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        out = (torch.zeros if partial else torch.empty)(xs.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         ends = counts.cumsum(0).tolist()  # one host sync per layer (the loop needs the bounds)
         starts = [0] + ends[:-1]
-        for e0 in range(0, num, chunk):
-            e1 = min(e0 + chunk, num)
+        for e0 in range(lo, hi, chunk):
+            e1 = min(e0 + chunk, hi)
             r0, r1 = starts[e0], ends[e1 - 1]
             if r0 == r1:
                 continue
@@ -99,20 +104,28 @@ def routed_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                     continue
                 g, u = F.linear(xs[s:t], gate_up[e - e0]).chunk(2, dim=-1)
                 out[s:t] = F.linear(F.silu(g) * u, down[e - e0])
+    y = _weighted_sum(out, order, top_k_weights, x.dtype, grouped)
+    if partial:
+        torch.distributed.all_reduce(y)
+    return y
+
+
+def _weighted_sum(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, dtype, grouped: bool):
+    """The routed rows (in expert order) back in (token, k) order, each token's k rows summed with its weights."""
+    n, k = top_k_weights.shape
     if grouped:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         y = compiled(_combine, out, inv, top_k_weights)
         if y is not None:
             return y
-    # Back in (token, k) order, each token's k rows summed with its weights by one batched matmul:
-    # deterministic (no atomic adds) and accumulated in float32 inside the GEMM, rounded once, as
+    # Deterministic (no atomic adds) and accumulated in float32 inside the GEMM, rounded once, as
     # transformers' grouped_mm experts sum them; the weights are rounded to the rows' dtype (bf16:
     # 2^-9, the rows' own rounding) so that no float32 copy of the [N*k, H] rows is made.
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     y = torch.bmm(top_k_weights.to(out.dtype).view(n, 1, k), unsorted.view(n, k, -1))
-    return y.view(n, -1).to(x.dtype)
+    return y.view(n, -1).to(dtype)
 
 
 def _grouped_chunk(experts, xs, counts, e0: int, e1: int, dtype) -> torch.Tensor:

@@ -200,9 +200,9 @@ class QuantLinear(nn.Module):
 class _Stacked(nn.Module):
     """One projection of every expert, quantized, stacked on a leading expert dimension."""
 
-    def __init__(self, scheme, experts: int, in_features: int, out_features: int, scale_dtype):
+    def __init__(self, scheme, experts: int, in_features: int, out_features: int, scale_dtype, first: int = 0):
         super().__init__()
-        self.scheme = scheme
+        self.scheme, self.first = scheme, first  # `first`: the checkpoint's number of expert 0 here
         for name, (shape, dtype) in scheme.param_shapes(out_features, in_features, scale_dtype).items():
             self.register_buffer(name, _meta((experts, *shape), dtype))
 
@@ -214,17 +214,23 @@ class _Stacked(nn.Module):
 class QuantExperts(nn.Module):
     """A layer's routed experts, quantized (in place of transformers' fused [E, 2I, H] / [E, H, I]
     experts). `weights(e0, e1, dtype)` dequantizes experts e0..e1-1 for one MoE call; called
-    like transformers' experts module, it runs `moe.routed_experts`."""
+    like transformers' experts module, it runs `moe.routed_experts`. With `expert_range` (lo, hi)
+    it holds experts lo..hi-1 of `num_experts` only (expert parallel: each rank of a group holds
+    its share, and `routed_experts` sums the ranks' rows); expert numbers stay the layer's."""
 
-    def __init__(self, scheme, num_experts: int, hidden: int, intermediate: int, scale_dtype, experts_per_chunk=None):
+    def __init__(self, scheme, num_experts: int, hidden: int, intermediate: int, scale_dtype, experts_per_chunk=None,
+                 expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
+        self.expert_range = expert_range or (0, num_experts)
+        lo, hi = self.expert_range
         self.experts_per_chunk = experts_per_chunk or num_experts
-        self.gate_proj = _Stacked(scheme, num_experts, hidden, intermediate, scale_dtype)
-        self.up_proj = _Stacked(scheme, num_experts, hidden, intermediate, scale_dtype)
-        self.down_proj = _Stacked(scheme, num_experts, intermediate, hidden, scale_dtype)
+        self.gate_proj = _Stacked(scheme, hi - lo, hidden, intermediate, scale_dtype, lo)
+        self.up_proj = _Stacked(scheme, hi - lo, hidden, intermediate, scale_dtype, lo)
+        self.down_proj = _Stacked(scheme, hi - lo, intermediate, hidden, scale_dtype, lo)
 
     def weights(self, e0: int, e1: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        e0, e1 = e0 - self.expert_range[0], e1 - self.expert_range[0]
         gate_up = torch.cat((self.gate_proj.dequantized(e0, e1, dtype), self.up_proj.dequantized(e0, e1, dtype)), dim=1)
         return gate_up, self.down_proj.dequantized(e0, e1, dtype)
 
@@ -232,6 +238,11 @@ class QuantExperts(nn.Module):
         from .moe import routed_experts
 
         return routed_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def expert_share(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s experts of `world` ranks: a contiguous range, the sizes differing by one at most."""
+    return rank * num_experts // world, (rank + 1) * num_experts // world
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,10 +300,13 @@ def _is_experts(module) -> bool:
 
 
 def load_quantized_base(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        experts_per_chunk: int | None = None):
+                        experts_per_chunk: int | None = None, expert_shard: tuple[int, int] | None = None):
     """The base model (transformers' AutoModel, no LM head) of a quantized checkpoint, its quantized
     tensors kept as stored on `device` and the rest in `dtype`. `model.quantization` names the
-    format and `model.config` no longer carries a `quantization_config` (nothing else reads it)."""
+    format and `model.config` no longer carries a `quantization_config` (nothing else reads it).
+    `expert_shard` (rank, world): this rank of a torch.distributed group reads and holds only its
+    share of each layer's routed experts (`expert_share`), the rest whole: a 1T-parameter MoE's
+    experts are nearly all of its bytes, so each GPU of 8 holds about an eighth."""
     from transformers import AutoConfig, AutoModel
 
     model_dir, device = Path(model_dir), torch.device(device)
@@ -317,7 +331,8 @@ def load_quantized_base(model_dir: str | Path, dtype: torch.dtype, device: str |
         elif _is_experts(module) and f"{key}.0.gate_proj.{quant_key}" in ck:
             e, two_i, h = module.gate_up_proj.shape
             scale_dtype = ck.meta(f"{key}.0.gate_proj.{scheme.suffixes[1]}")[1]
-            new = QuantExperts(scheme, e, h, two_i // 2, scale_dtype, experts_per_chunk)
+            new = QuantExperts(scheme, e, h, two_i // 2, scale_dtype, experts_per_chunk,
+                               expert_share(e, *expert_shard) if expert_shard else None)
         else:
             continue
         parent, _, child = name.rpartition(".")
@@ -348,7 +363,7 @@ def load_quantized_base(model_dir: str | Path, dtype: torch.dtype, device: str |
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise QuantizedCheckpointError(f"{model_dir}: not in the checkpoint: {left[:5]}")
-    model.quantization = scheme.name
+    model.quantization, model.expert_shard = scheme.name, expert_shard
     return model.eval()
 
 
@@ -363,7 +378,7 @@ def _read(ck: _Checkpoint, owner_key: str, attr: str, owner, like: torch.Tensor)
         experts_key, _, proj = owner_key.rpartition(".")
         out = torch.empty(like.shape, dtype=like.dtype)
         for e in range(like.shape[0]):
-            out[e] = ck.get(f"{experts_key}.{e}.{proj}.{attr}")
+            out[e] = ck.get(f"{experts_key}.{owner.first + e}.{proj}.{attr}")
         return out
     if _is_experts(owner) and attr in ("gate_up_proj", "down_proj"):
         out = torch.empty(like.shape, dtype=like.dtype)

@@ -212,7 +212,8 @@ def load_model(
     """Load straight into the target dtype and device (no float32 detour).
 
     `tensor_parallel` shards the weights over the current torch.distributed group with the
-    model's own transformers tensor-parallel plan (`tp_plan="auto"`)."""
+    model's own transformers tensor-parallel plan (`tp_plan="auto"`); a quantized checkpoint's
+    routed experts are split between the ranks instead (expert parallel, `quantized.py`)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -220,10 +221,9 @@ def load_model(
         # INT4 (Kimi-K2) and FP8 (DeepSeek-V3) checkpoints stay quantized in memory (`quantized.py`).
         from .quantized import load_quantized_base
 
-        if tensor_parallel:
-            raise TargetModelError(f"{model_dir} is a quantized checkpoint ({quantization_of(model_dir)}): it loads "
-                                   "quantized on one device per process (parallel: data), not under tensor parallelism")
-        return load_quantized_base(model_dir, torch_dtype, pick_device(device))
+        # Sharded (parallel: tensor), each rank holds its share of the routed experts and the rest whole.
+        shard = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if tensor_parallel else None
+        return load_quantized_base(model_dir, torch_dtype, pick_device(device), expert_shard=shard)
     cls = AutoModel if base_only else AutoModelForCausalLM
     with quiet_loads(base_only):
         if tensor_parallel:
