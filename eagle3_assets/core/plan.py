@@ -409,11 +409,15 @@ def gpu_plan(config, checkpoint: dict[str, int], gpus: int, layouts: list[Sample
     and everything else of the base model on each (the LM head is not loaded: the files hold hidden
     states): memory of the weights, of the experts dequantized for one MoE call, of activations and
     KV per pack token; the pack size that fits; the host staging buffers; the rate, scaled from a
-    measured one-GPU MoE rate by active parameters per token; the bytes per sample of each layout.
+    measured one-GPU MoE rate by the active parameters per token that one GPU runs; the bytes per
+    sample of each layout.
 
-    The rate is an estimate: active parameters stand for FLOPs (attention's context cost is left
-    out), and the exchange of routed rows between GPUs is taken as free: an upper bound, then
-    capped by the disk ceiling of the chosen layout (one node's disk for all GPUs)."""
+    The split is the one the extraction runs (`parallel: tensor` on a quantized checkpoint): every
+    GPU runs every token through attention, the dense layers and the shared experts, and through its
+    share of the routed experts; each MoE layer's rows are summed by one all-reduce. The rate is an
+    estimate: active parameters stand for FLOPs (attention's context cost is left out), and the
+    all-reduce is taken as free: an upper bound, then capped by the disk ceiling of the chosen
+    layout (one node's disk for all GPUs)."""
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if not experts:
         raise ValueError("gpu_plan is for MoE targets (Qwen3-MoE, DeepSeek-V3, Kimi-K2): no routed experts in the config")
@@ -427,16 +431,18 @@ def gpu_plan(config, checkpoint: dict[str, int], gpus: int, layouts: list[Sample
     free = gpu_bytes * (1 - RESERVE_FRACTION) - weights - dequant
     pack = int(free // act["total"]) // 1024 * 1024 if free > 0 else 0
     ref_active = active_params(reference_config or measured_moe_config())["total"]
-    target_active = active_params(config)["total"]
-    per_gpu_forward = measured["forward_tokens_per_s"] * ref_active / target_active
-    per_gpu_files = measured["files_tokens_per_s"] * ref_active / target_active
+    parts = active_params(config)
+    target_active = parts["total"]
+    gpu_active = target_active - parts["routed_experts"] * (1 - 1 / gpus)  # what one GPU runs per token
+    forward = measured["forward_tokens_per_s"] * ref_active / gpu_active
+    files = measured["files_tokens_per_s"] * ref_active / gpu_active
     out_layouts = []
     for lay in layouts:
         disk = DISK_CEILING_BYTES_PER_S / lay.bytes_per_token()
         out_layouts.append({"layout": lay.name, "bytes_per_token": lay.bytes_per_token(),
                             "bytes_per_sample": lay.predict_bytes(round(mean_tokens_per_sample), 1),
                             "disk_ceiling_tokens_per_s": disk,
-                            "tokens_per_s": min(per_gpu_files * gpus, disk)})
+                            "tokens_per_s": min(files, disk)})
     return {
         "gpus": gpus, "gpu_bytes": gpu_bytes, "reserve_fraction": RESERVE_FRACTION,
         "checkpoint_bytes": checkpoint["total"],
@@ -450,12 +456,13 @@ def gpu_plan(config, checkpoint: dict[str, int], gpus: int, layouts: list[Sample
         "kv_bytes_per_pack": pack * act["kv"],
         "host_staging_bytes": {lay.name: staging_buffers * pack * lay.bytes_per_token() for lay in layouts},
         "staging_buffers": staging_buffers,
-        "active_params": target_active, "reference_active_params": ref_active,
-        "forward_tokens_per_s_per_gpu": per_gpu_forward, "files_tokens_per_s_per_gpu": per_gpu_files,
-        "forward_tokens_per_s": per_gpu_forward * gpus,
+        "active_params": target_active, "active_params_per_gpu": gpu_active, "reference_active_params": ref_active,
+        "forward_tokens_per_s": forward, "files_tokens_per_s": files,
         "rate_source": f"{measured['source']}: {measured['forward_tokens_per_s']:,} tok/s forward, "
-                       f"{measured['files_tokens_per_s']:,} with files, x {ref_active / 1e9:.2f}B / {target_active / 1e9:.2f}B "
-                       f"active parameters per token, x {gpus} GPUs (exchange between GPUs taken as free)",
+                       f"{measured['files_tokens_per_s']:,} with files, x {ref_active / 1e9:.2f}B / {gpu_active / 1e9:.2f}B "
+                       f"active parameters per token on each GPU (of {target_active / 1e9:.2f}B: every token through "
+                       f"attention, dense and shared layers on every GPU, the routed experts split {gpus} ways; "
+                       "the all-reduce taken as free)",
         "mean_tokens_per_sample": mean_tokens_per_sample,
         "layouts": out_layouts,
     }
@@ -475,8 +482,8 @@ def format_gpu_plan(g: dict) -> str:
              f"({act['total']:,} B/token), of which a layer's keys and values {g['kv_bytes_per_pack'] / gb:,.2f} GB",
              f"  host staging ({g['staging_buffers']} pinned buffers of a pack): "
              + ", ".join(f"{k} {v / gb:,.1f} GB" for k, v in g["host_staging_bytes"].items()),
-             f"  rate: {g['forward_tokens_per_s_per_gpu']:,.0f} tok/s forward, {g['files_tokens_per_s_per_gpu']:,.0f} with files "
-             f"per GPU; {g['forward_tokens_per_s']:,.0f} forward on {g['gpus']} GPUs ({g['rate_source']})",
+             f"  rate on {g['gpus']} GPUs: {g['forward_tokens_per_s']:,.0f} tok/s forward, {g['files_tokens_per_s']:,.0f} "
+             f"with files ({g['rate_source']})",
              f"  per sample ({g['mean_tokens_per_sample']:,.0f} tokens on average), and the rate with files on "
              f"{g['gpus']} GPUs capped by the disk:"]
     for lay in g["layouts"]:
