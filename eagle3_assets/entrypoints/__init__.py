@@ -23,7 +23,8 @@ def run_job(params_cls, work: Callable, report: Callable, stream: bool = False) 
     """Run `work(params, log)` on every rank; on rank 0 inside a Pipes session, then
     `report(pipes, params, result)`. An exception fails the Dagster step with its message.
     `stream=True` calls `work(params, log, pipes)` (pipes None off rank 0), for a job that
-    reports as it goes. A params class with a `from_json` classmethod parses its own JSON."""
+    reports as it goes. A params class with a `from_json` classmethod parses its own JSON. Once the
+    job succeeded, a rank of a process group leaves it and ends there (`distributed.leave`)."""
     from dagster_pipes import open_dagster_pipes
 
     from ..core import distributed, stopping
