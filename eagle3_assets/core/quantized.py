@@ -363,7 +363,7 @@ def load_quantized_base(model_dir: str | Path, dtype: torch.dtype, device: str |
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise QuantizedCheckpointError(f"{model_dir}: not in the checkpoint: {left[:5]}")
-    model.quantization, model.expert_shard = scheme.name, expert_shard
+    model.quantization = scheme.name
     return model.eval()
 
 
